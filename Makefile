@@ -1,0 +1,17 @@
+# Two entry points; each installs what it needs into .venv first (torch from the local CPU wheel).
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/dpopt
+
+test: $(STAMP)
+	$(PY) -m pytest

@@ -1,0 +1,8 @@
+"""The named recipes. Importing this package registers all of them."""
+
+from dpopt.algorithms import first_order  # noqa: F401  (registers dp-sgd, dp-adam, dp-adamw)
+from dpopt.algorithms.base import DPOptimizer, Privatizer, StepResult, Transform
+from dpopt.algorithms.registry import ALGORITHMS, Hyperparameters, build_algorithm, register
+
+__all__ = ["ALGORITHMS", "DPOptimizer", "Hyperparameters", "Privatizer", "StepResult", "Transform",
+           "build_algorithm", "register"]

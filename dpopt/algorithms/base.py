@@ -1,0 +1,117 @@
+"""The private step every first-order method shares, with the parts a recipe plugs in.
+
+    sample ─► per-example statistic ─► clip ─► sum + noise (+ ledger) ─► transforms ─► base update
+
+``Privatizer`` is stages 3-4 and the only code that releases information: it clips, adds the noise,
+records the release in the ledger and divides by the batch normaliser, in that order, every step
+(an empty batch included). It reads the participation and the normaliser from the sampler it was built
+with, so sampling and accounting cannot disagree. ``DPOptimizer.step(data)`` draws the batch from that
+sampler itself (stage 1), then runs the rest; a method changes ``statistic`` (which per-example vector is
+privatized), ``transforms`` (post-processing, free under DP) or the base update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from dpopt.clipping import Clipping, ClipStats, clip_and_sum
+from dpopt.data.samplers import PoissonSampler, Sampler, take
+from dpopt.grad.engine import PerExampleEngine, PerExampleGradients, batch_size_of
+from dpopt.noise.gaussian import GaussianNoise
+from dpopt.privacy.ledger import GaussianRelease, PoissonSampling, PrivacyLedger
+
+
+@dataclass
+class Privatizer:
+    clipping: Clipping
+    noise: GaussianNoise
+    sampler: Sampler
+    ledger: PrivacyLedger
+
+    def __post_init__(self) -> None:
+        if abs(self.noise.sensitivity - self.clipping.sensitivity) > 1e-12 * self.clipping.sensitivity:
+            raise ValueError("the noise must be calibrated to the clipping's sensitivity")
+        if isinstance(self.sampler.participation, PoissonSampling) and not isinstance(self.sampler, PoissonSampler):
+            raise ValueError(f"{type(self.sampler).__name__} claims Poisson amplification, which only "
+                             "dpopt's PoissonSampler provides; account it with FixedParticipation instead")
+        if not self.sampler.normalizer > 0:
+            raise ValueError(f"the batch normaliser must be > 0, got {self.sampler.normalizer}")
+
+    def __call__(self, grads: PerExampleGradients | None, like: Sequence[torch.Tensor],
+                 step: int) -> tuple[list[torch.Tensor], ClipStats]:
+        """(sum_i clip(g_i) + N(0, sigma^2 C^2 I)) / normaliser; ``grads=None`` is an empty batch."""
+        if grads is None:
+            sums = [torch.zeros_like(p, dtype=torch.float32) for p in like]
+            stats = ClipStats(0, 0)
+        else:
+            sums, stats = clip_and_sum(grads, self.clipping)
+        noisy = self.noise(sums, step)
+        self.ledger.record(GaussianRelease(self.noise.noise_multiplier, self.sampler.participation))
+        return [n / self.sampler.normalizer for n in noisy], stats
+
+
+class Transform(Protocol):
+    """Post-processing of the privatized gradient (e.g. a Kalman filter); carries its own state."""
+
+    def __call__(self, grads: list[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float | None  # mean training loss of the batch (not private: for progress display only)
+    examples: int
+    nonfinite: int
+
+
+class DPOptimizer:
+    """One private first-order step per call of ``step(batch)``."""
+
+    def __init__(self, engine: PerExampleEngine, privatizer: Privatizer, base: torch.optim.Optimizer,
+                 transforms: Sequence[Transform] = ()) -> None:
+        self.engine, self.privatizer, self.base = engine, privatizer, base
+        self.transforms = list(transforms)
+        self.steps = 0
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return self.engine.params
+
+    def statistic(self, batch: Any) -> PerExampleGradients:
+        """The per-example vectors to privatize this step (DP-SGD: the gradients at the current point)."""
+        return self.engine.gradients(batch)
+
+    def step(self, data: Any) -> StepResult:
+        """One private step on a batch that this step samples from ``data`` (a tensor or a pytree of
+        tensors indexed along dimension 0, or a callable mapping an index tensor to a batch)."""
+        batch = take(data, self.privatizer.sampler.batch(self.steps))
+        grads = self.statistic(batch) if batch_size_of(batch) > 0 else None
+        g, stats = self.privatizer(grads, self.params, self.steps)
+        for t in self.transforms:
+            g = t(g)
+        self.update(g)
+        self.steps += 1
+        loss = None if grads is None or grads.losses is None else float(grads.losses.mean())
+        return StepResult(loss, stats.examples, stats.nonfinite)
+
+    def update(self, grads: list[torch.Tensor]) -> None:
+        for p, g in zip(self.params, grads):
+            p.grad = g.to(p.dtype)
+        self.base.step()
+        self.base.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "base": self.base.state_dict(),
+                "transforms": [t.state_dict() for t in self.transforms]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = state["steps"]
+        self.base.load_state_dict(state["base"])
+        for t, s in zip(self.transforms, state["transforms"]):
+            t.load_state_dict(s)

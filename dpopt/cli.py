@@ -1,0 +1,149 @@
+"""The ``dpopt`` command. With no arguments it runs the digits demo (``dpopt train`` with its defaults)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Sequence
+
+from dpopt.algorithms import ALGORITHMS
+from dpopt.checkpoint import CheckpointError
+from dpopt.clipping import CLIP_MODES
+from dpopt.data.datasets import DATASETS, DatasetNotFound
+from dpopt.data.samplers import SAMPLINGS
+from dpopt.grad.engine import MODES, STRATEGIES
+from dpopt.models import MODELS
+from dpopt.privacy import (AccountingError, FixedParticipation, GaussianRelease, PoissonSampling, Relation,
+                           epsilon_of, noise_multiplier_for)
+from dpopt.train import TrainConfig, resume, train
+
+DEFAULT_EPSILON = 2.0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    d = TrainConfig()
+    p = sub.add_parser("train", help="private training run (default: the digits demo)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--algorithm", default=d.algorithm, choices=sorted(ALGORITHMS))
+    p.add_argument("--dataset", default=d.dataset, choices=sorted(DATASETS))
+    p.add_argument("--model", default=d.model, choices=sorted(MODELS))
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--epsilon", type=float, help=f"target epsilon (default {DEFAULT_EPSILON} unless "
+                        "--noise-multiplier is given); the noise is calibrated to it")
+    budget.add_argument("--noise-multiplier", type=float, help="noise std / clip norm; epsilon is then reported")
+    p.add_argument("--delta", type=float, default=d.delta)
+    p.add_argument("--epochs", type=_positive_int, default=d.epochs)
+    p.add_argument("--batch-size", type=_positive_int, default=d.batch_size,
+                   help="expected batch size (Poisson) or batch size (shuffle, fixed)")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--clip", type=float, default=d.clip, help="per-example clip norm C")
+    p.add_argument("--clipping", default=d.clipping, choices=CLIP_MODES)
+    p.add_argument("--momentum", type=float, default=d.momentum)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--seed", type=int, default=d.seed, help="public seed; the secret noise seed is derived from it")
+    p.add_argument("--secure", action="store_true", help="draw noise and batches from OS entropy (not reproducible)")
+    p.add_argument("--sampling", default=d.sampling, choices=SAMPLINGS,
+                   help="poisson (amplified accounting) or shuffle/fixed (accounted without amplification)")
+    p.add_argument("--accountant", default=d.accountant, choices=["pld", "rdp"])
+    p.add_argument("--relation", default=d.relation, choices=[r.value for r in Relation])
+    p.add_argument("--per-example", default=d.per_example, choices=MODES,
+                   help="layer hooks with a torch.func fallback, or torch.func for the whole model")
+    p.add_argument("--strategy", default=d.strategy, choices=STRATEGIES,
+                   help="per layer: ghost norms + book-keeping, materialised per-example gradients, or auto")
+    p.add_argument("--download", action="store_true", help="allow downloading a dataset that is not on disk")
+    p.add_argument("--out", help="run folder: checkpoints every epoch and metrics.json")
+    p.add_argument("--resume", metavar="DIR", help="continue the run whose checkpoint is in DIR")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _add_account(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("account", help="epsilon of a DP-SGD-style run")
+    p.add_argument("--noise-multiplier", type=float, required=True)
+    p.add_argument("--sample-rate", type=float, help="Poisson sampling rate q (omit for no amplification)")
+    p.add_argument("--steps", type=_positive_int, required=True)
+    p.add_argument("--steps-per-epoch", type=_positive_int, default=1,
+                   help="without --sample-rate: each example is in one of every this many steps")
+    p.add_argument("--delta", type=float, required=True)
+    p.add_argument("--accountant", default="pld", choices=["pld", "rdp"])
+    p.add_argument("--relation", default="add-remove", choices=[r.value for r in Relation])
+    p.add_argument("--json", action="store_true")
+
+
+def _add_calibrate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate", help="noise multiplier for a target (epsilon, delta)")
+    p.add_argument("--epsilon", type=float, required=True)
+    p.add_argument("--delta", type=float, required=True)
+    p.add_argument("--sample-rate", type=float, required=True, help="Poisson sampling rate q")
+    length = p.add_mutually_exclusive_group(required=True)
+    length.add_argument("--steps", type=_positive_int)
+    length.add_argument("--epochs", type=float, help="epochs of round(1/q) steps each")
+    p.add_argument("--accountant", default="pld", choices=["pld", "rdp"])
+    p.add_argument("--relation", default="add-remove", choices=[r.value for r in Relation])
+    p.add_argument("--json", action="store_true")
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="dpopt", description="Differentially private training for PyTorch.")
+    sub = top.add_subparsers(dest="command")
+    _add_train(sub)
+    _add_account(sub)
+    _add_calibrate(sub)
+    return top
+
+
+def _train(args: argparse.Namespace) -> int:
+    progress = not args.no_progress
+    if args.resume:
+        resume(args.resume, progress)
+        return 0
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {k: v for k, v in vars(args).items() if k in fields}
+    if values["epsilon"] is None and values["noise_multiplier"] is None:
+        values["epsilon"] = DEFAULT_EPSILON
+    metrics = train(TrainConfig(**values), args.out, progress)
+    print(f"test accuracy {metrics['test_accuracy']:.4f} at epsilon {metrics['epsilon']:.4f} "
+          f"(delta {metrics['delta']:g}) after {metrics['steps']} steps, {metrics['wall_time_s']:.1f} s")
+    return 0
+
+
+def _account(args: argparse.Namespace) -> int:
+    part = (PoissonSampling(args.sample_rate) if args.sample_rate is not None
+            else FixedParticipation(args.steps_per_epoch))
+    eps = epsilon_of([GaussianRelease(args.noise_multiplier, part, args.steps)], args.delta, args.accountant,
+                     args.relation)
+    print(json.dumps({"epsilon": eps}) if args.json else f"epsilon = {eps:.6g} at delta = {args.delta:g}")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    part = PoissonSampling(args.sample_rate)
+    steps = args.steps if args.steps is not None else max(1, round(args.epochs * round(1 / args.sample_rate)))
+    z = noise_multiplier_for(args.epsilon, args.delta, part, steps, args.accountant, args.relation)
+    print(json.dumps({"noise_multiplier": z, "steps": steps}) if args.json else f"noise multiplier = {z:.6g}")
+    return 0
+
+
+COMMANDS = {"train": _train, "account": _account, "calibrate": _calibrate}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = parser()
+    args = top.parse_args(argv or ["train"])
+    try:
+        return COMMANDS[args.command](args)
+    except (ValueError, AccountingError, DatasetNotFound, CheckpointError) as e:
+        top.exit(2, f"dpopt: error: {e}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

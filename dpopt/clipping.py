@@ -1,0 +1,77 @@
+"""Stage 3 (clip): bound every example's contribution, then form the clipped sum.
+
+The clip stage is the only place where sensitivity is established. ``Clipping.sensitivity`` is the L2
+bound on one example's contribution to the sum under add/remove neighbours (twice that under replace-one,
+which the accountant applies); every mode below guarantees it.
+
+* ``flat`` — g_i * min(1, C / ||g_i||) over all parameters together.
+* ``per-layer`` — each layer (the module owning a parameter) clipped to C / sqrt(L), L layers, so the
+  concatenation has norm <= C.
+* ``automatic`` — g_i * C / (||g_i|| + stability) (Bu et al., "Automatic clipping", 2023): every example
+  normalised, norm < C.
+
+An example whose norm is not finite gets weight 0 and contributes nothing; it is counted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dpopt.grad.engine import PerExampleGradients
+
+CLIP_MODES = ("flat", "per-layer", "automatic")
+
+
+@dataclass(frozen=True)
+class Clipping:
+    bound: float
+    mode: str = "flat"
+    stability: float = 0.01
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.bound, (int, float)) and math.isfinite(self.bound) and self.bound > 0):
+            raise ValueError(f"the clip bound must be a finite number > 0, got {self.bound}")
+        if self.mode not in CLIP_MODES:
+            raise ValueError(f"unknown clipping mode {self.mode!r}; choose one of {', '.join(CLIP_MODES)}")
+        if self.mode == "automatic" and not self.stability > 0:
+            raise ValueError(f"automatic clipping needs stability > 0, got {self.stability}")
+
+    @property
+    def sensitivity(self) -> float:
+        return float(self.bound)
+
+    def weights(self, sq_norms: torch.Tensor, groups: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-example, per-parameter weights [B, P] and the mask of examples with finite norms [B]."""
+        if self.mode == "per-layer":
+            group = torch.tensor(groups, device=sq_norms.device)
+            n_groups = int(group.max()) + 1
+            per_group = sq_norms.new_zeros(sq_norms.shape[0], n_groups).index_add_(1, group, sq_norms)
+            norms = per_group.sqrt()
+            finite = torch.isfinite(norms).all(1)
+            w = (self.bound / math.sqrt(n_groups) / norms.clamp_min(1e-30)).clamp(max=1.0)[:, group]
+        else:
+            norms = sq_norms.sum(1).sqrt()
+            finite = torch.isfinite(norms)
+            if self.mode == "flat":
+                w = (self.bound / norms.clamp_min(1e-30)).clamp(max=1.0)
+            else:
+                w = self.bound / (norms + self.stability)
+            w = w.unsqueeze(1).expand_as(sq_norms)
+        w = torch.where(finite.unsqueeze(1), w, torch.zeros_like(w))
+        return w, finite
+
+
+@dataclass(frozen=True)
+class ClipStats:
+    examples: int
+    nonfinite: int
+
+
+def clip_and_sum(grads: PerExampleGradients, clipping: Clipping) -> tuple[list[torch.Tensor], ClipStats]:
+    """The clipped sum sum_i clip(g_i) per parameter, by one weighted contraction per captured term."""
+    w, finite = clipping.weights(grads.sq_norms(), grads.engine.groups)
+    sums = grads.weighted_sum(w)
+    return sums, ClipStats(grads.batch_size, int((~finite).sum()))

@@ -1,0 +1,147 @@
+"""Real datasets that work offline (see the project's DATA.md).
+
+Files are looked for in ``$DPOPT_DATA``, ``~/.cache/dpopt``, ``./data``, the ``shared/data`` folder beside
+the checkout, and the system locations of Debian's packages. Nothing is downloaded unless asked
+(``download=True``); a missing dataset raises ``DatasetNotFound`` saying how to get it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+
+class DatasetNotFound(FileNotFoundError):
+    pass
+
+
+@dataclass
+class Dataset:
+    name: str
+    train: tuple[torch.Tensor, torch.Tensor]
+    test: tuple[torch.Tensor, torch.Tensor]
+    num_classes: int
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.train[0].shape[1:])
+
+    def __len__(self) -> int:
+        return len(self.train[1])
+
+
+def data_roots() -> list[Path]:
+    roots = [os.environ.get("DPOPT_DATA"), Path.home() / ".cache" / "dpopt", Path.cwd() / "data",
+             Path.cwd().parent / "shared" / "data", Path(__file__).resolve().parents[3] / "shared" / "data",
+             "/usr/share/datasets"]
+    return [Path(r) for r in roots if r]
+
+
+def _find(folder: str, files: list[str]) -> Path | None:
+    for root in data_roots():
+        if all((root / folder / f).is_file() for f in files):
+            return root / folder
+    return None
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    with gzip.open(path, "rb") as f:
+        data = f.read()
+    dims = data[3]
+    shape = tuple(int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(dims))
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * dims).reshape(shape)
+
+
+def _idx_dataset(name: str, folder: str, files: dict[str, str], urls: list[str], how_to_get: str,
+                 download: bool, mean: float, std: float) -> Dataset:
+    where = _find(folder, list(files.values()))
+    if where is None and download:
+        where = _download(folder, list(files.values()), urls)
+    if where is None:
+        looked = ", ".join(str(r / folder) for r in data_roots())
+        raise DatasetNotFound(f"{name} is not on disk (looked in {looked}). {how_to_get}")
+
+    def images(key: str) -> torch.Tensor:
+        x = torch.from_numpy(_read_idx(where / files[key]).astype(np.float32) / 255.0)
+        return ((x - mean) / std).unsqueeze(1)
+
+    def labels(key: str) -> torch.Tensor:
+        return torch.from_numpy(_read_idx(where / files[key]).astype(np.int64))
+
+    return Dataset(name, (images("train_x"), labels("train_y")), (images("test_x"), labels("test_y")), 10)
+
+
+def _download(folder: str, files: list[str], urls: list[str]) -> Path | None:
+    target = Path(os.environ.get("DPOPT_DATA", Path.home() / ".cache" / "dpopt")) / folder
+    target.mkdir(parents=True, exist_ok=True)
+    for base in urls:
+        try:
+            for f in files:
+                if not (target / f).is_file():
+                    tmp = target / (f + ".part")
+                    urllib.request.urlretrieve(base + f, tmp)
+                    tmp.replace(target / f)
+            return target
+        except OSError:
+            continue
+    return None
+
+
+def mnist(download: bool = False) -> Dataset:
+    files = {"train_x": "train-images-idx3-ubyte.gz", "train_y": "train-labels-idx1-ubyte.gz",
+             "test_x": "t10k-images-idx3-ubyte.gz", "test_y": "t10k-labels-idx1-ubyte.gz"}
+    return _idx_dataset("MNIST", "mnist", files, ["https://ossci-datasets.s3.amazonaws.com/mnist/"],
+                        "Put the four standard IDX .gz files in $DPOPT_DATA/mnist/ (or pass --download).",
+                        download, 0.1307, 0.3081)
+
+
+def fashion_mnist(download: bool = False) -> Dataset:
+    files = {"train_x": "train-images-idx3-ubyte.gz", "train_y": "train-labels-idx1-ubyte.gz",
+             "test_x": "t10k-images-idx3-ubyte.gz", "test_y": "t10k-labels-idx1-ubyte.gz"}
+    return _idx_dataset("Fashion-MNIST", "fashion-mnist", files,
+                        ["http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"],
+                        "On Debian: `apt-get install -y dataset-fashion-mnist`; or put the IDX .gz files in "
+                        "$DPOPT_DATA/fashion-mnist/ (or pass --download).", download, 0.2860, 0.3530)
+
+
+def digits(download: bool = False) -> Dataset:
+    """scikit-learn's 8x8 digits (1797 images, bundled), split 80/20 with a fixed seed."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x_tr, x_te, y_tr, y_te = train_test_split(x.astype(np.float32) / 16.0, y, test_size=0.2, random_state=0,
+                                              stratify=y)
+    t = lambda a, dt: torch.tensor(a, dtype=dt)  # noqa: E731
+    return Dataset("digits", (t(x_tr, torch.float32).view(-1, 1, 8, 8), t(y_tr, torch.int64)),
+                   (t(x_te, torch.float32).view(-1, 1, 8, 8), t(y_te, torch.int64)), 10)
+
+
+def mnist1d(download: bool = False) -> Dataset:
+    """MNIST-1D (4000/1000 sequences of length 40), built locally by the ``mnist1d`` package."""
+    try:
+        from mnist1d.data import get_dataset_args, make_dataset
+    except ImportError as e:
+        raise DatasetNotFound("MNIST-1D needs the mnist1d package: `pip install mnist1d`") from e
+    d = make_dataset(get_dataset_args())
+    x = lambda a: torch.tensor(a, dtype=torch.float32).unsqueeze(1)  # noqa: E731
+    y = lambda a: torch.tensor(a, dtype=torch.int64)  # noqa: E731
+    return Dataset("mnist1d", (x(d["x"]), y(d["y"])), (x(d["x_test"]), y(d["y_test"])), 10)
+
+
+DATASETS: dict[str, Callable[[bool], Dataset]] = {
+    "digits": digits, "mnist": mnist, "fashion-mnist": fashion_mnist, "mnist1d": mnist1d,
+}
+
+
+def load_dataset(name: str, download: bool = False) -> Dataset:
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+    return DATASETS[name](download)

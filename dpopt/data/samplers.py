@@ -1,0 +1,109 @@
+"""Stage 1 (sample): who is in each step's batch, and what that lets the accountant assume.
+
+Every sampler states its ``participation``; the ledger accounts exactly that and nothing more. Only the
+Poisson sampler claims amplification by subsampling. Samplers are counter-based (the batch of step t is a
+function of the secret key and t), so a resumed run draws the same batches.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import torch
+from torch.utils._pytree import tree_map
+
+from dpopt.noise.rng import SecretStream
+from dpopt.privacy.ledger import FixedParticipation, Participation, PoissonSampling
+
+
+class Sampler(Protocol):
+    participation: Participation
+
+    @property
+    def normalizer(self) -> float: ...
+
+    @property
+    def steps_per_epoch(self) -> int: ...
+
+    def batch(self, step: int) -> torch.Tensor: ...
+
+
+def take(data: Any, index: torch.Tensor) -> Any:
+    """The batch of ``data`` at ``index``: ``data(index)`` if callable, else every tensor indexed on dim 0."""
+    if callable(data):
+        return data(index)
+    return tree_map(lambda t: t[index] if isinstance(t, torch.Tensor) else t, data)
+
+
+class PoissonSampler:
+    """Each example is in each step's batch independently with probability ``rate``. Batch sizes vary,
+    empty batches happen and still count; the clipped sum is divided by the *expected* batch size."""
+
+    def __init__(self, dataset_size: int, rate: float, stream: SecretStream) -> None:
+        if dataset_size < 1:
+            raise ValueError("the dataset is empty")
+        self.dataset_size, self.stream = dataset_size, stream
+        self.participation: Participation = PoissonSampling(rate)
+        self.rate = rate
+
+    @classmethod
+    def with_batch_size(cls, dataset_size: int, batch_size: int, stream: SecretStream) -> "PoissonSampler":
+        if not 1 <= batch_size <= dataset_size:
+            raise ValueError(f"batch size must lie in [1, {dataset_size}] (the dataset size), got {batch_size}")
+        return cls(dataset_size, batch_size / dataset_size, stream)
+
+    @property
+    def normalizer(self) -> float:
+        return self.rate * self.dataset_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return max(1, round(1 / self.rate))
+
+    def batch(self, step: int) -> torch.Tensor:
+        return (self.stream.uniform(self.dataset_size, step) < self.rate).nonzero().squeeze(1)
+
+
+class ShuffleSampler:
+    """Disjoint batches of ``batch_size`` from a fresh secret permutation every epoch (the last batch of an
+    epoch may be smaller). Accounted without amplification: one release per example per epoch."""
+
+    def __init__(self, dataset_size: int, batch_size: int, stream: SecretStream, shuffle: bool = True) -> None:
+        if not 1 <= batch_size <= dataset_size:
+            raise ValueError(f"batch size must lie in [1, {dataset_size}] (the dataset size), got {batch_size}")
+        self.dataset_size, self.batch_size, self.stream, self.shuffle = dataset_size, batch_size, stream, shuffle
+        self.participation: Participation = FixedParticipation(self.steps_per_epoch)
+
+    @property
+    def normalizer(self) -> float:
+        return float(self.batch_size)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.dataset_size / self.batch_size)
+
+    def batch(self, step: int) -> torch.Tensor:
+        epoch, k = divmod(step, self.steps_per_epoch)
+        order = (self.stream.uniform(self.dataset_size, epoch).argsort() if self.shuffle
+                 else torch.arange(self.dataset_size))
+        return order[k * self.batch_size:(k + 1) * self.batch_size]
+
+
+def FixedOrderSampler(dataset_size: int, batch_size: int, stream: SecretStream) -> ShuffleSampler:
+    """Consecutive batches in dataset order, cycling over epochs (each example every
+    ``steps_per_epoch`` steps), as matrix-factorization mechanisms require."""
+    return ShuffleSampler(dataset_size, batch_size, stream, shuffle=False)
+
+
+SAMPLINGS = ("poisson", "shuffle", "fixed")
+
+
+def make_sampler(kind: str, dataset_size: int, batch_size: int, stream: SecretStream) -> Sampler:
+    if kind == "poisson":
+        return PoissonSampler.with_batch_size(dataset_size, batch_size, stream)
+    if kind == "shuffle":
+        return ShuffleSampler(dataset_size, batch_size, stream)
+    if kind == "fixed":
+        return FixedOrderSampler(dataset_size, batch_size, stream)
+    raise ValueError(f"unknown sampling {kind!r}; choose one of {', '.join(SAMPLINGS)}")

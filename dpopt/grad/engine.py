@@ -1,0 +1,330 @@
+"""Stage 2 (per-example statistic): the engine that owns forward and backward.
+
+``PerExampleEngine.gradients(batch, at=params)`` runs one forward/backward of a per-example loss at the
+current parameters or at any other point, and returns ``PerExampleGradients``: a lazy linear
+combination of per-example gradients. Algorithms build their statistic with ordinary arithmetic
+(DiSK: ``c * g(x + gamma d) + (1 - c) * g(x)``; SRG: ``g(x_t) - c * g(x_{t-1})``), and the clip stage
+asks it for per-example norms (cross terms included, without materialising) and for the clipped sum.
+
+Backward is run with ``torch.autograd.grad`` towards a zero "sink" scalar that is added to the outputs of
+the first layers, with the parameters passed as constants: autograd then computes activation gradients
+only and never the (batch-summed) weight gradients, which the clip stage forms itself from the same
+factors (book-keeping). Layer hooks see every supported layer's input and output gradient; modules
+without a rule are differentiated per example with ``torch.func`` (``fallback.py``). ``mode="vmap"``
+runs the whole model through ``torch.func`` instead: the reference the hook path is tested against.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from dpopt.grad.captures import Capture, Dense, Outer, check_version, inner
+from dpopt.grad.fallback import float_leaves, loss_gradients, module_gradients
+from dpopt.grad.rules import Rule, rule_for
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+MODES = ("hooks", "vmap")
+STRATEGIES = ("auto", "materialize", "ghost")
+
+# Modules whose training-mode forward mixes the examples of a batch, or stores batch statistics.
+_MIXING = (nn.modules.batchnorm._BatchNorm,)
+
+
+class ExampleMixingError(ValueError):
+    """The model lets one example influence another's output: per-example clipping would not bound
+    that example's influence, so DP training is refused."""
+
+
+def batch_size_of(batch: Any) -> int:
+    tensors = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if not tensors:
+        raise ValueError("a batch must contain at least one tensor with a leading batch dimension")
+    return tensors[0].shape[0]
+
+
+class _LossModule(nn.Module):
+    """Wraps (model, loss_fn) so that ``functional_call`` can evaluate the loss at any parameters."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self.loss_fn(self.model, batch)
+
+
+class _Unit:
+    """A module whose parameters' per-example gradients are captured together."""
+
+    def __init__(self, module: nn.Module, rule: Rule | None, params: dict[str, int]) -> None:
+        self.module, self.rule = module, rule
+        self.params = params  # attribute name (rule) or relative name (fallback) -> parameter index
+
+
+class PerExampleGradients:
+    """Per-example gradients of a batch, as a linear combination of captured terms per parameter."""
+
+    def __init__(self, engine: "PerExampleEngine", batch_size: int,
+                 terms: list[list[tuple[float, Capture]]], losses: torch.Tensor | None = None) -> None:
+        self.engine, self.batch_size, self.terms, self.losses = engine, batch_size, terms, losses
+
+    # --- linear combinations -------------------------------------------------------------------
+    def _combine(self, other: "PerExampleGradients", a: float, b: float) -> "PerExampleGradients":
+        if other.engine is not self.engine or other.batch_size != self.batch_size:
+            raise ValueError("only per-example gradients of the same engine and batch can be combined")
+        terms = [[(a * c, t) for c, t in mine] + [(b * c, t) for c, t in theirs]
+                 for mine, theirs in zip(self.terms, other.terms)]
+        return PerExampleGradients(self.engine, self.batch_size, terms, self.losses)
+
+    def __add__(self, other: "PerExampleGradients") -> "PerExampleGradients":
+        return self._combine(other, 1.0, 1.0)
+
+    def __sub__(self, other: "PerExampleGradients") -> "PerExampleGradients":
+        return self._combine(other, 1.0, -1.0)
+
+    def __mul__(self, c: float) -> "PerExampleGradients":
+        c = float(c)
+        return PerExampleGradients(self.engine, self.batch_size,
+                                   [[(c * k, t) for k, t in ts] for ts in self.terms], self.losses)
+
+    __rmul__ = __mul__
+
+    def __neg__(self) -> "PerExampleGradients":
+        return self * -1.0
+
+    # --- what the clip stage needs ---------------------------------------------------------------
+    def sq_norms(self) -> torch.Tensor:
+        """Squared per-example norms per parameter, [B, P] in float32 (cross terms included)."""
+        cols = []
+        for p, ts in zip(self.engine.params, self.terms):
+            acc = torch.zeros(self.batch_size, device=p.device, dtype=torch.float32)
+            for j, (cj, tj) in enumerate(ts):
+                acc = acc + cj * cj * inner(tj, tj)
+                for ck, tk in ts[j + 1:]:
+                    acc = acc + 2.0 * cj * ck * inner(tj, tk)
+            cols.append(acc)
+        return torch.stack(cols, 1)
+
+    def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
+        """sum_i w_i g_i per parameter; ``weights`` is [B] or [B, P]. Examples of weight 0 are left out
+        entirely, so a non-finite gradient given weight 0 contributes exactly zero."""
+        if weights.dim() == 1:
+            weights = weights.unsqueeze(1).expand(-1, len(self.terms))
+        keep = (weights != 0).any(1)
+        sums = []
+        for j, (p, ts) in enumerate(zip(self.engine.params, self.terms)):
+            dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
+            acc = torch.zeros(p.shape, device=p.device, dtype=dtype)
+            w = weights[:, j]
+            for c, t in ts:
+                if keep.all():
+                    acc += c * t.weighted_sum(w).to(dtype)
+                elif keep.any():
+                    rows = keep.nonzero().squeeze(1)
+                    acc += c * _subset(t, rows).weighted_sum(w[rows]).to(dtype)
+            sums.append(acc)
+        return sums
+
+    def materialize(self) -> list[torch.Tensor]:
+        """Per-example gradients [B, *shape] per parameter (for tests and small models)."""
+        out = []
+        for p, ts in zip(self.engine.params, self.terms):
+            acc = torch.zeros(self.batch_size, *p.shape, device=p.device, dtype=p.dtype)
+            for c, t in ts:
+                acc += c * t.materialize().reshape(acc.shape)
+            out.append(acc)
+        return out
+
+
+def _subset(c: Capture, rows: torch.Tensor) -> Capture:
+    if isinstance(c, Outer):
+        return Outer(c.left[rows], c.right[rows], c.rows, c.shape)
+    return Dense(c.materialize()[rows], c.shape)
+
+
+class PerExampleEngine:
+    """Per-example gradients of ``loss_fn(model, batch) -> [B]`` for every trainable parameter.
+
+    ``strategy`` decides per layer whether an ``Outer`` capture is kept factored (ghost norms and the
+    book-keeping sum) or materialised at once: "auto" keeps whichever form holds fewer elements.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn, mode: str = "hooks", strategy: str = "auto") -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown per-example mode {mode!r}; choose one of {', '.join(MODES)}")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        self.model, self.loss_fn, self.mode, self.strategy = model, loss_fn, mode, strategy
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self._wrapper = _LossModule(model, loss_fn)
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self.units: list[_Unit] = []
+        self._collect_units(model)
+        self.groups = self._layer_groups()
+
+    # --- structure ---------------------------------------------------------------------------------
+    def _collect_units(self, module: nn.Module) -> None:
+        direct = {n: self._index[id(p)] for n, p in module._parameters.items()
+                  if p is not None and id(p) in self._index}
+        if direct:
+            rule = rule_for(module)
+            if rule is None:  # generic: the whole subtree, which may use its children's parameters directly
+                below = {n: self._index[id(p)] for n, p in module.named_parameters(remove_duplicate=False)
+                         if id(p) in self._index}
+                self.units.append(_Unit(module, None, below))
+                return
+            self.units.append(_Unit(module, rule, direct))
+        for child in module.children():
+            self._collect_units(child)
+
+    def _layer_groups(self) -> list[int]:
+        """Group id of each parameter for per-layer clipping: the module that owns it."""
+        owners: dict[str, int] = {}
+        return [owners.setdefault(n.rpartition(".")[0], len(owners)) for n in self.names]
+
+    def check_no_mixing(self) -> None:
+        for name, m in self.model.named_modules():
+            if isinstance(m, _MIXING) and (m.training or any(p.requires_grad for p in m.parameters(recurse=False))):
+                raise ExampleMixingError(
+                    f"layer {name or '<root>'!r} ({type(m).__name__}) computes batch statistics, so one example "
+                    "changes the others' outputs and per-example clipping cannot bound its influence. Replace "
+                    "it with GroupNorm (dpopt.models.replace_batchnorm(model)) or freeze it "
+                    "(dpopt.models.freeze_batchnorm(model)).")
+
+    # --- evaluation --------------------------------------------------------------------------------
+    def gradients(self, batch: Any, at: Sequence[torch.Tensor] | None = None) -> PerExampleGradients:
+        """Per-example gradients of the loss on ``batch`` at the current parameters, or at ``at``
+        (one tensor per trainable parameter, in ``self.params`` order). Parameters are not modified."""
+        self.check_no_mixing()
+        b = batch_size_of(batch)
+        values = self.params if at is None else list(at)
+        if len(values) != len(self.params):
+            raise ValueError(f"`at` needs {len(self.params)} tensors, got {len(values)}")
+        point = {"model." + n: v.detach() for n, v in zip(self.names, values)}
+        if self.mode == "vmap":
+            return self._vmap_gradients(batch, b, point)
+        return self._hook_gradients(batch, b, point)
+
+    def _check_losses(self, losses: Any, b: int) -> torch.Tensor:
+        if not isinstance(losses, torch.Tensor) or losses.shape != (b,):
+            shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
+            raise ValueError(f"the loss function must return one loss per example, shape ({b},), got {shape}; "
+                             "use reduction='none' and average over tokens within each example")
+        return losses
+
+    def _vmap_gradients(self, batch: Any, b: int, point: dict[str, torch.Tensor]) -> PerExampleGradients:
+        with torch.no_grad():
+            losses = self._check_losses(functional_call(self._wrapper, point, (batch,)), b)
+        per_example = loss_gradients(lambda p, x: functional_call(self._wrapper, p, (x,)), point, batch, b)
+        terms = [[(1.0, Dense(per_example["model." + n], p.shape))] for n, p in zip(self.names, self.params)]
+        return PerExampleGradients(self, b, terms, losses)
+
+    def _keep(self, c: Capture) -> Capture:
+        if isinstance(c, Outer) and not c.indexed and (
+                self.strategy == "materialize"
+                or (self.strategy == "auto" and c.materialized_elements() <= c.held_elements())):
+            return Dense(c.materialize(), c.shape)
+        return c
+
+    def _hook_gradients(self, batch: Any, b: int, point: dict[str, torch.Tensor]) -> PerExampleGradients:
+        terms: list[list[tuple[float, Capture]]] = [[] for _ in self.params]
+        sink = torch.zeros((), requires_grad=True)
+        sink_used = False
+        calls: list[tuple[_Unit, tuple, dict, list[torch.Tensor], list[torch.Tensor | None]]] = []
+
+        def attach(t: torch.Tensor) -> torch.Tensor:
+            nonlocal sink_used
+            if t.requires_grad:
+                return t
+            sink_used = True
+            return t + sink.to(t.dtype)
+
+        def rule_hook(unit: _Unit):
+            wanted = set(unit.params)
+
+            def hook(module: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+                x = (args[0] if args else next(iter(kwargs.values()))).detach()
+                version = x._version
+                out = attach(out)
+
+                def on_grad(g: torch.Tensor) -> None:
+                    check_version(x, version)
+                    for name, cap in unit.rule(module, x, g.detach(), wanted).items():
+                        terms[unit.params[name]].append((1.0, self._keep(cap)))
+
+                out.register_hook(on_grad)
+                return out
+
+            return hook
+
+        def fallback_hook(unit: _Unit):
+            def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+                leaves, spec = tree_flatten(out)
+                floats = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+                grads: list[torch.Tensor | None] = [None] * len(floats)
+                for k, i in enumerate(floats):
+                    leaves[i] = attach(leaves[i])
+
+                    def store(g: torch.Tensor, k: int = k) -> None:
+                        grads[k] = g.detach()
+
+                    leaves[i].register_hook(store)
+                args, kwargs = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, (args, kwargs))
+                calls.append((unit, args, kwargs, [leaves[i] for i in floats], grads))
+                return tree_unflatten(leaves, spec)
+
+            return hook
+
+        handles = [u.module.register_forward_hook(rule_hook(u) if u.rule else fallback_hook(u), with_kwargs=True)
+                   for u in self.units]
+        try:
+            with torch.enable_grad():
+                losses = self._check_losses(functional_call(self._wrapper, point, (batch,)), b)
+        finally:
+            for h in handles:
+                h.remove()
+        if not sink_used or not losses.requires_grad:
+            raise ValueError("the loss does not depend on any trainable parameter through the model's layers "
+                             "(or the batch holds tensors that require grad, which is not supported)")
+        torch.autograd.grad(losses.sum(), [sink])
+        for unit, args, kwargs, outs, grads in calls:
+            cot = [torch.zeros_like(o) if g is None else g for o, g in zip(outs, grads)]
+            sub = {n: point["model." + self.names[i]] for n, i in unit.params.items()}
+            per_example = module_gradients(unit.module, sub, args, kwargs, cot, b)
+            for n, i in unit.params.items():
+                terms[i].append((1.0, Dense(per_example[n], self.params[i].shape)))
+        return PerExampleGradients(self, b, terms, losses.detach())
+
+
+@torch.no_grad()
+def check_per_example(model: nn.Module, loss_fn: LossFn, batch: Any) -> None:
+    """Refuse a model (or loss) under which one example changes another example's loss: evaluate the
+    batch twice, the second time with example 0 replaced by example 1, under the same random state."""
+    b = batch_size_of(batch)
+    if b < 3:
+        return
+    leaves, spec = tree_flatten(batch)
+    swapped = [torch.cat([t[1:2], t[1:]]) if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == b else t
+               for t in leaves]
+    state = torch.random.get_rng_state()
+    first = loss_fn(model, batch)
+    torch.random.set_rng_state(state)
+    second = loss_fn(model, tree_unflatten(swapped, spec))
+    if not isinstance(first, torch.Tensor) or first.shape != (b,):
+        raise ValueError(f"the loss function must return one loss per example, shape ({b},)")
+    scale = first[2:].abs().max().clamp_min(1e-6)
+    if not torch.allclose(first[2:], second[2:], rtol=1e-4, atol=1e-5 * float(scale)):
+        raise ExampleMixingError(
+            "changing one example changed the loss of other examples: the model or loss mixes examples within "
+            "a batch (batch statistics, a loss normalised over the batch, ...), so per-example clipping cannot "
+            "bound one example's influence. Make every example's loss depend on that example alone.")

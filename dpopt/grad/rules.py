@@ -1,0 +1,118 @@
+"""Per-layer rules: a layer's per-example gradients from its input and its output gradient.
+
+Each rule maps (module, input x, output gradient g, the parameter names wanted) to one ``Capture`` per
+parameter. The batch is dimension 0 of x and g. A rule applies only to modules whose ``forward`` is the
+stock one (a subclass that overrides ``forward`` goes to the generic fallback), so the input the hook sees
+is the input the layer formula assumes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpopt.grad.captures import Capture, Dense, Outer
+
+Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor, set[str]], dict[str, Capture]]
+
+
+def _linear(module: nn.Linear, x: torch.Tensor, g: torch.Tensor, wanted: set[str]) -> dict[str, Capture]:
+    b = x.shape[0]
+    gy = g.reshape(b, -1, module.out_features)
+    out: dict[str, Capture] = {}
+    if "weight" in wanted:
+        out["weight"] = Outer(gy, x.reshape(b, -1, module.in_features), module.out_features, module.weight.shape)
+    if "bias" in wanted:
+        out["bias"] = Dense(gy.sum(1), (module.out_features,))
+    return out
+
+
+def _conv(module: nn.Conv1d | nn.Conv2d, x: torch.Tensor, g: torch.Tensor, wanted: set[str]) -> dict[str, Capture]:
+    b, c_out = g.shape[:2]
+    pad = module._reversed_padding_repeated_twice
+    if any(pad):
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        x = F.pad(x, pad, mode=mode)
+    kernel, stride, dilation = module.kernel_size, module.stride, module.dilation
+    if x.dim() == 3:  # Conv1d as a Conv2d of height 1
+        x, g = x.unsqueeze(2), g.unsqueeze(2)
+        kernel, stride, dilation = (1, *kernel), (1, *stride), (1, *dilation)
+    out: dict[str, Capture] = {}
+    if "weight" in wanted:
+        cols = F.unfold(x, kernel, dilation=dilation, stride=stride)  # [B, C_in * k, L]
+        positions = cols.shape[-1]
+        left = g.reshape(b, c_out, positions).transpose(1, 2)  # [B, L, C_out]
+        right = cols.transpose(1, 2)  # [B, L, C_in * k]
+        groups = module.groups
+        if groups == 1:
+            out["weight"] = Outer(left, right, c_out, module.weight.shape)
+        else:  # block-diagonal over groups: materialise per group
+            left = left.reshape(b, positions, groups, c_out // groups)
+            right = right.reshape(b, positions, groups, -1)
+            out["weight"] = Dense(torch.einsum("blgo,blgi->bgoi", left, right), module.weight.shape)
+    if "bias" in wanted:
+        out["bias"] = Dense(g.reshape(b, c_out, -1).sum(-1), (c_out,))
+    return out
+
+
+def _embedding(module: nn.Embedding, x: torch.Tensor, g: torch.Tensor, wanted: set[str]) -> dict[str, Capture]:
+    b = x.shape[0]
+    rows = x.reshape(b, -1)
+    right = g.reshape(b, rows.shape[1], module.embedding_dim)
+    if module.padding_idx is not None:  # F.embedding never updates the padding row
+        right = right * (rows != module.padding_idx).unsqueeze(-1).to(right.dtype)
+    return {"weight": Outer(rows, right, module.num_embeddings, module.weight.shape)} if "weight" in wanted else {}
+
+
+def _affine(g: torch.Tensor, xhat: torch.Tensor, param_dims: int, shape: torch.Size,
+            wanted: set[str], channel_dim: int | None = None) -> dict[str, Capture]:
+    """Per-example gradients of an elementwise affine y = xhat * weight + bias."""
+    if channel_dim is None:  # parameters cover the trailing ``param_dims`` dimensions
+        reduce = tuple(range(1, g.dim() - param_dims))
+    else:  # parameters index the channel dimension only
+        reduce = tuple(d for d in range(1, g.dim()) if d != channel_dim)
+    out: dict[str, Capture] = {}
+    if "weight" in wanted:
+        out["weight"] = Dense((g * xhat).sum(reduce) if reduce else g * xhat, shape)
+    if "bias" in wanted:
+        out["bias"] = Dense(g.sum(reduce) if reduce else g, shape)
+    return out
+
+
+def _layer_norm(module: nn.LayerNorm, x: torch.Tensor, g: torch.Tensor, wanted: set[str]) -> dict[str, Capture]:
+    xhat = F.layer_norm(x, module.normalized_shape, eps=module.eps)
+    return _affine(g, xhat, len(module.normalized_shape), torch.Size(module.normalized_shape), wanted)
+
+
+def _rms_norm(module: nn.RMSNorm, x: torch.Tensor, g: torch.Tensor, wanted: set[str]) -> dict[str, Capture]:
+    xhat = F.rms_norm(x, module.normalized_shape, eps=module.eps)
+    return _affine(g, xhat, len(module.normalized_shape), torch.Size(module.normalized_shape), wanted)
+
+
+def _group_norm(module: nn.GroupNorm, x: torch.Tensor, g: torch.Tensor, wanted: set[str]) -> dict[str, Capture]:
+    xhat = F.group_norm(x, module.num_groups, eps=module.eps)
+    return _affine(g, xhat, 1, torch.Size((module.num_channels,)), wanted, channel_dim=1)
+
+
+RULES: dict[type[nn.Module], Rule] = {
+    nn.Linear: _linear,
+    nn.Conv1d: _conv,
+    nn.Conv2d: _conv,
+    nn.Embedding: _embedding,
+    nn.LayerNorm: _layer_norm,
+    nn.RMSNorm: _rms_norm,
+    nn.GroupNorm: _group_norm,
+}
+
+
+def rule_for(module: nn.Module) -> Rule | None:
+    """The layer rule for ``module``, or None when the generic fallback must handle it."""
+    for base, rule in RULES.items():
+        if isinstance(module, base) and type(module).forward is base.forward:
+            if isinstance(module, nn.Embedding) and (module.sparse or module.scale_grad_by_freq):
+                return None  # sparse gradients / batch-frequency scaling: leave to the generic path
+            return rule
+    return None

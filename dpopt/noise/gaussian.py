@@ -1,0 +1,31 @@
+"""Stage 4 (sum + noise): iid Gaussian noise on the clipped sum."""
+
+from __future__ import annotations
+
+import torch
+
+from dpopt.noise.rng import SecretStream
+
+
+class GaussianNoise:
+    """Adds N(0, (noise_multiplier * sensitivity)^2 I) to a list of tensors, from a secret stream.
+
+    ``sensitivity`` is the L2 bound of one example's contribution to the sum (the clip norm C).
+    """
+
+    def __init__(self, noise_multiplier: float, sensitivity: float, stream: SecretStream) -> None:
+        if noise_multiplier < 0:
+            raise ValueError(f"noise multiplier must be >= 0, got {noise_multiplier}")
+        self.noise_multiplier = float(noise_multiplier)
+        self.sensitivity = float(sensitivity)
+        self.stream = stream
+
+    @property
+    def std(self) -> float:
+        return self.noise_multiplier * self.sensitivity
+
+    def __call__(self, sums: list[torch.Tensor], step: int) -> list[torch.Tensor]:
+        if self.std == 0.0 or not sums:
+            return sums
+        draws = self.stream.normals([s.shape for s in sums], step, device=sums[0].device, dtype=torch.float32)
+        return [s + (self.std * d).to(s.dtype) for s, d in zip(sums, draws)]

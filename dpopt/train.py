@@ -1,0 +1,223 @@
+"""The training loop: a private run from a config, with progress, evaluation, checkpoints and resume.
+
+A run is a function of its config: the public seed drives initialisation, the secret streams (derived
+from the same seed under a secret label, or OS entropy in secure mode) drive sampling and noise, both
+counter-based, so ``resume`` continues a run to exactly the parameters and epsilon of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from dpopt.algorithms import ALGORITHMS, DPOptimizer, Hyperparameters, Privatizer, build_algorithm
+from dpopt.checkpoint import load_checkpoint, save_checkpoint
+from dpopt.clipping import Clipping
+from dpopt.data.datasets import DATASETS, Dataset, load_dataset
+from dpopt.data.samplers import SAMPLINGS, make_sampler
+from dpopt.grad.engine import MODES, STRATEGIES, PerExampleEngine, check_per_example
+from dpopt.models import MODELS, build_model
+from dpopt.noise.gaussian import GaussianNoise
+from dpopt.noise.rng import SecretStream, derive_seed
+from dpopt.privacy import PoissonSampling, PrivacyLedger, Relation, check_budget, noise_multiplier_for
+from dpopt.privacy.statement import privacy_statement
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    algorithm: str = "dp-sgd"
+    dataset: str = "digits"
+    model: str = "mlp"
+    epsilon: float | None = None
+    delta: float = 1e-5
+    noise_multiplier: float | None = None
+    epochs: int = 20
+    batch_size: int = 128
+    lr: float = 0.5
+    clip: float = 1.0
+    clipping: str = "flat"
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    seed: int = 0
+    secure: bool = False
+    sampling: str = "poisson"
+    accountant: str = "pld"
+    relation: str = "add-remove"
+    per_example: str = "hooks"
+    strategy: str = "auto"
+    download: bool = False
+
+    def validate(self) -> None:
+        for field, known in [("algorithm", ALGORITHMS), ("dataset", DATASETS), ("model", MODELS),
+                             ("sampling", SAMPLINGS), ("per_example", MODES), ("strategy", STRATEGIES)]:
+            if getattr(self, field) not in known:
+                raise ValueError(f"unknown {field} {getattr(self, field)!r}; choose one of {', '.join(sorted(known))}")
+        if (self.epsilon is None) == (self.noise_multiplier is None):
+            raise ValueError("give exactly one of epsilon (the noise is calibrated to it) or noise_multiplier")
+        if self.epsilon is not None:
+            check_budget(self.epsilon, self.delta)
+        elif not (math.isfinite(self.noise_multiplier) and self.noise_multiplier > 0):
+            raise ValueError(f"noise multiplier must be a finite number > 0, got {self.noise_multiplier}")
+        if not 0.0 < self.delta < 1.0:
+            raise ValueError(f"delta must lie in (0, 1), got {self.delta}")
+        if self.epochs < 1:
+            raise ValueError(f"epochs must be >= 1, got {self.epochs}")
+        Relation(self.relation)
+        Clipping(self.clip, self.clipping)
+        self.hyperparameters()
+
+    def hyperparameters(self) -> Hyperparameters:
+        return Hyperparameters(lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown config keys: {', '.join(sorted(unknown))}")
+        return cls(**data)
+
+
+def classification_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y, reduction="none")
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor], batch_size: int = 2048) -> float:
+    was_training = model.training
+    model.eval()
+    correct = sum(int((model(x).argmax(1) == y).sum())
+                  for x, y in zip(data[0].split(batch_size), data[1].split(batch_size)))
+    model.train(was_training)
+    return correct / len(data[1])
+
+
+@dataclass
+class Run:
+    """Everything a run is made of, built from its config."""
+
+    config: TrainConfig
+    data: Dataset
+    model: nn.Module
+    optimizer: DPOptimizer
+    sampler: Any
+    ledger: PrivacyLedger
+    total_steps: int
+
+
+def build_run(config: TrainConfig, log: Callable[[str], None] = print) -> Run:
+    config.validate()
+    data = load_dataset(config.dataset, config.download)
+    n = len(data)
+    if config.delta >= 1.0 / n:
+        warnings.warn(f"delta = {config.delta:g} is not below 1/n = {1 / n:.3g}: such a guarantee allows "
+                      "releasing an example outright; use delta << 1/n", stacklevel=2)
+    torch.manual_seed(derive_seed(config.seed, "public", "init"))
+    model = build_model(config.model, data.input_shape, data.num_classes)
+    engine = PerExampleEngine(model, classification_loss, config.per_example, config.strategy)
+    engine.check_no_mixing()
+    check_per_example(model, classification_loss, (data.train[0][:8], data.train[1][:8]))
+
+    secret_seed = None if config.secure else config.seed
+    sampler = make_sampler(config.sampling, n, config.batch_size, SecretStream(secret_seed, "sampling"))
+    total = config.epochs * sampler.steps_per_epoch
+    z = config.noise_multiplier
+    if z is None:
+        z = noise_multiplier_for(config.epsilon, config.delta, sampler.participation, total,
+                                 config.accountant, config.relation)
+        log(f"calibrated noise multiplier {z:.4f} for ({config.epsilon}, {config.delta})-DP over {total} steps")
+    clipping = Clipping(config.clip, config.clipping)
+    ledger = PrivacyLedger(config.relation, config.accountant)
+    noise = GaussianNoise(z, clipping.sensitivity, SecretStream(secret_seed, "noise"))
+    privatizer = Privatizer(clipping, noise, sampler, ledger)
+    optimizer = build_algorithm(config.algorithm, engine, privatizer, config.hyperparameters())
+    return Run(config, data, model, optimizer, sampler, ledger, total)
+
+
+def _state(run: Run, history: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    return {"format": "dpopt-checkpoint-1", "config": dataclasses.asdict(run.config),
+            "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
+            "ledger": run.ledger.to_dict(), "step": run.optimizer.steps, "history": history, "wall_time_s": wall}
+
+
+def train(config: TrainConfig, out: str | Path | None = None, progress: bool = True,
+          log: Callable[[str], None] = print, _resume_state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run (or, with ``_resume_state``, continue) a private training run; returns the metrics."""
+    run = build_run(config, log)
+    history: list[dict[str, Any]] = []
+    wall = 0.0
+    if _resume_state is not None:
+        run.model.load_state_dict(_resume_state["model"])
+        run.optimizer.load_state_dict(_resume_state["optimizer"])
+        restored = PrivacyLedger.from_dict(_resume_state["ledger"])
+        run.ledger.entries = restored.entries
+        history = list(_resume_state["history"])
+        wall = float(_resume_state["wall_time_s"])
+        if run.ledger.steps != run.optimizer.steps:
+            raise RuntimeError("checkpoint is inconsistent: ledger and optimizer disagree on the step count")
+    per_epoch = run.sampler.steps_per_epoch
+    nonfinite = sum(h.get("nonfinite", 0) for h in history)
+    start = time.perf_counter() - wall
+    for epoch in range(run.optimizer.steps // per_epoch, config.epochs):
+        losses: list[float] = []
+        epoch_nonfinite = 0
+        bar = tqdm(range(per_epoch), desc=f"epoch {epoch + 1}/{config.epochs}", disable=not progress, leave=False)
+        for k in bar:
+            step = epoch * per_epoch + k
+            torch.manual_seed(derive_seed(config.seed, "public", "step", step))  # dropout etc.; not secret
+            result = run.optimizer.step(run.data.train)
+            epoch_nonfinite += result.nonfinite
+            if result.loss is not None:
+                losses.append(result.loss)
+                bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.4f}",
+                                acc=f"{history[-1]['test_accuracy']:.4f}" if history else "-",
+                                eps=f"{history[-1]['epsilon']:.3f}" if history else "0")
+        if epoch_nonfinite:
+            warnings.warn(f"{epoch_nonfinite} examples had non-finite gradients in epoch {epoch + 1}; "
+                          "they contributed zero to the update", stacklevel=2)
+        nonfinite += epoch_nonfinite
+        acc = accuracy(run.model, run.data.test)
+        eps = run.ledger.epsilon(config.delta)
+        history.append({"epoch": epoch + 1, "step": run.optimizer.steps, "test_accuracy": acc, "epsilon": eps,
+                        "train_loss": sum(losses) / max(1, len(losses)), "nonfinite": epoch_nonfinite})
+        if out is not None:
+            save_checkpoint(out, _state(run, history, time.perf_counter() - start))
+        log(f"epoch {epoch + 1}/{config.epochs}: test accuracy {acc:.4f}, epsilon {eps:.4f}")
+    wall = time.perf_counter() - start
+    metrics = {
+        "algorithm": config.algorithm, "dataset": config.dataset, "model": config.model,
+        "test_accuracy": history[-1]["test_accuracy"], "epsilon": run.ledger.epsilon(config.delta),
+        "delta": config.delta, "steps": run.optimizer.steps, "epochs": config.epochs,
+        "noise_multiplier": run.optimizer.privatizer.noise.noise_multiplier,
+        "sample_rate": (run.sampler.participation.rate if isinstance(run.sampler.participation, PoissonSampling)
+                        else None),
+        "accountant": config.accountant, "relation": config.relation, "nonfinite_examples": nonfinite,
+        "wall_time_s": wall, "history": history, "ledger": run.ledger.to_dict(),
+        "config": dataclasses.asdict(config),
+    }
+    statement = privacy_statement(run.ledger, config.delta, len(run.data))
+    metrics["privacy_statement"] = statement
+    if out is not None:
+        Path(out, "metrics.json").write_text(json.dumps(metrics, indent=2))
+    log(statement)
+    return metrics
+
+
+def resume(out: str | Path, progress: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Continue the run whose checkpoint is in ``out`` to its configured end."""
+    state = load_checkpoint(out)
+    config = TrainConfig.from_dict(state["config"])
+    log(f"resuming {config.algorithm} on {config.dataset} from step {state['step']}")
+    return train(config, out, progress, log, _resume_state=state)

@@ -1,0 +1,61 @@
+"""Small models covering every layer rule, shared by the tests."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Scaled(nn.Module):
+    """A module with a direct parameter and a child it calls: handled by the generic fallback."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(dim))
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x) * self.scale)
+
+
+class Zoo(nn.Module):
+    """Embedding, Conv1d, Conv2d (reflect padding, stride, dilation, groups), LayerNorm, RMSNorm, GroupNorm,
+    3-D Linear, a fallback module, and a Linear used twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8, padding_idx=0)
+        self.conv1d = nn.Conv1d(8, 8, 3, padding=1)
+        self.conv2d = nn.Conv2d(1, 4, 3, stride=2, padding=1, padding_mode="reflect")
+        self.dilated = nn.Conv2d(4, 4, 3, dilation=2, padding=2, bias=False)
+        self.grouped = nn.Conv2d(4, 4, 3, groups=2)
+        self.gn = nn.GroupNorm(2, 4)
+        self.ln = nn.LayerNorm(8)
+        self.rms = nn.RMSNorm(8)
+        self.odd = Scaled(8)
+        self.twice = nn.Linear(8, 8)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, batch):
+        tokens, image = batch
+        h = self.emb(tokens)
+        h = self.conv1d(h.transpose(1, 2)).transpose(1, 2)
+        h = self.twice(torch.tanh(self.twice(self.rms(self.ln(h)))))
+        h = self.odd(h).mean(1)
+        im = self.gn(self.grouped(self.dilated(torch.tanh(self.conv2d(image))))).mean((2, 3))
+        return self.head(torch.cat([h, im], 1))
+
+
+def zoo_batch(b: int = 5):
+    tokens = torch.randint(0, 20, (b, 6))
+    tokens[0, :2] = 0  # padding rows
+    return tokens, torch.randn(b, 1, 9, 9), torch.randint(0, 3, (b,))
+
+
+def zoo_loss(model, batch):
+    tokens, image, y = batch
+    return F.cross_entropy(model((tokens, image)), y, reduction="none")
+
+
+def mlp_loss(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y, reduction="none")

@@ -1,0 +1,107 @@
+"""Accountant values against published references, calibration, and the ledger's conventions."""
+
+import math
+
+import dp_accounting as dpa
+import pytest
+from dp_accounting import pld, rdp
+
+from dpopt.privacy import (AccountingError, FixedParticipation, GaussianRelease, PoissonSampling, PrivacyLedger,
+                           epsilon_of, noise_multiplier_for)
+
+
+def poisson(z, q, steps):
+    return [GaussianRelease(z, PoissonSampling(q), steps)]
+
+
+def test_mnist_dpsgd_pin():
+    """sigma 1.1, q = 256/60000, 60 epochs (14,063 steps), delta 1e-5: PLD 2.38, RDP 2.60."""
+    releases = poisson(1.1, 256 / 60000, 14063)
+    assert epsilon_of(releases, 1e-5, "pld") == pytest.approx(2.38, abs=0.01)
+    assert epsilon_of(releases, 1e-5, "rdp") == pytest.approx(2.60, abs=0.01)
+
+
+def test_opacus_pins():
+    """Opacus's pinned references: sigma 1.5, q 0.04, 2250 steps: RDP 7.329; PRV upper bound 6.7774."""
+    releases = poisson(1.5, 0.04, 2250)
+    assert epsilon_of(releases, 1e-5, "rdp") == pytest.approx(7.329, abs=0.001)
+    assert epsilon_of(releases, 1e-5, "pld") == pytest.approx(6.7774, abs=0.02)
+
+
+def test_tf_privacy_pins():
+    """TF Privacy's: sigma 0.7, q 0.01, 120 steps: RDP 3.2393, PLD 2.4612."""
+    releases = poisson(0.7, 0.01, 120)
+    assert epsilon_of(releases, 1e-5, "rdp") == pytest.approx(3.2393, abs=5e-4)
+    assert epsilon_of(releases, 1e-5, "pld") == pytest.approx(2.4612, abs=5e-4)
+
+
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+@pytest.mark.parametrize("participation,steps,target", [
+    (PoissonSampling(0.01), 1000, 1.0), (PoissonSampling(0.2), 50, 8.0), (FixedParticipation(10), 100, 2.0)])
+def test_calibration_round_trip(accountant, participation, steps, target):
+    z = noise_multiplier_for(target, 1e-5, participation, steps, accountant)
+    eps = epsilon_of([GaussianRelease(z, participation, steps)], 1e-5, accountant)
+    assert eps <= target
+    assert eps >= 0.99 * target
+
+
+def test_fixed_participation_is_gaussian_composed_per_epoch():
+    """No amplification: 95 steps with period 10 release each example ceil(95/10) = 10 times."""
+    acc = pld.PLDAccountant()
+    acc.compose(dpa.GaussianDpEvent(3.0), 10)
+    expected = acc.get_epsilon(1e-6)
+    assert epsilon_of([GaussianRelease(3.0, FixedParticipation(10), 95)], 1e-6) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+def test_replace_one_doubles_sensitivity_in_both_accountants(accountant):
+    """dp-accounting's PLD and RDP read REPLACE_ONE differently for a plain Gaussian; the ledger must not."""
+    part = FixedParticipation(1)
+    replace = epsilon_of([GaussianRelease(2.0, part, 5)], 1e-5, accountant, "replace-one")
+    add_remove_half = epsilon_of([GaussianRelease(1.0, part, 5)], 1e-5, accountant, "add-remove")
+    assert replace == pytest.approx(add_remove_half, rel=1e-6)
+
+
+def test_poisson_replace_one():
+    releases = poisson(1.0, 0.01, 100)
+    assert epsilon_of(releases, 1e-5, "pld", "replace-one") > epsilon_of(releases, 1e-5, "pld", "add-remove")
+    with pytest.raises(AccountingError, match="replace-one"):
+        epsilon_of(releases, 1e-5, "rdp", "replace-one")
+    with pytest.raises(AccountingError):
+        PrivacyLedger("replace-one", "rdp").record(GaussianRelease(1.0, PoissonSampling(0.01)))
+
+
+def test_ledger_merges_and_round_trips():
+    ledger = PrivacyLedger()
+    for _ in range(300):
+        ledger.record(GaussianRelease(1.1, PoissonSampling(0.01)))
+    ledger.record(GaussianRelease(2.0, PoissonSampling(0.01)))
+    assert [e.steps for e in ledger.entries] == [300, 1]
+    assert ledger.steps == 301
+    direct = epsilon_of([GaussianRelease(1.1, PoissonSampling(0.01), 300),
+                         GaussianRelease(2.0, PoissonSampling(0.01), 1)], 1e-5)
+    assert ledger.epsilon(1e-5) == pytest.approx(direct)
+    again = PrivacyLedger.from_dict(ledger.to_dict())
+    assert again.entries == ledger.entries and again.epsilon(1e-5) == pytest.approx(direct)
+
+
+def test_no_noise_is_infinite_epsilon_and_empty_ledger_is_zero():
+    assert math.isinf(epsilon_of(poisson(0.0, 0.1, 3), 1e-5))
+    assert PrivacyLedger().epsilon(1e-5) == 0.0
+
+
+@pytest.mark.parametrize("bad", [dict(epsilon=0.0), dict(epsilon=-1.0), dict(epsilon=math.inf),
+                                 dict(delta=0.0), dict(delta=1.0)])
+def test_bad_budget_refused(bad):
+    args = dict(epsilon=1.0, delta=1e-5) | bad
+    with pytest.raises(ValueError):
+        noise_multiplier_for(args["epsilon"], args["delta"], PoissonSampling(0.1), 10)
+
+
+def test_bad_participation_refused():
+    with pytest.raises(ValueError):
+        PoissonSampling(0.0)
+    with pytest.raises(ValueError):
+        PoissonSampling(1.5)
+    with pytest.raises(ValueError):
+        FixedParticipation(0)

@@ -1,0 +1,165 @@
+"""The per-example engine: the hook path agrees with torch.func, combinations are exact, misuse is refused."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpopt.grad import ExampleMixingError, PerExampleEngine, check_per_example
+from dpopt.models import freeze_batchnorm, replace_batchnorm
+from helpers import Zoo, mlp_loss, zoo_batch, zoo_loss
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("strategy", ["auto", "materialize", "ghost"])
+def test_hooks_agree_with_vmap(strategy):
+    model, batch = Zoo(), zoo_batch()
+    hooks = PerExampleEngine(model, zoo_loss, "hooks", strategy).gradients(batch)
+    ref = PerExampleEngine(model, zoo_loss, "vmap").gradients(batch)
+    for name, a, b in zip(hooks.engine.names, hooks.materialize(), ref.materialize()):
+        assert rel(a, b) <= 1e-5, name
+    assert rel(hooks.sq_norms(), ref.sq_norms()) <= 1e-5
+    w = torch.rand(5)
+    for a, b in zip(hooks.weighted_sum(w), ref.weighted_sum(w)):
+        assert rel(a, b) <= 1e-5
+    assert torch.allclose(hooks.losses, ref.losses)
+
+
+def test_vmap_agrees_with_one_example_at_a_time():
+    model, batch = Zoo(), zoo_batch(3)
+    per_example = PerExampleEngine(model, zoo_loss, "vmap").gradients(batch).materialize()
+    for i in range(3):
+        model.zero_grad()
+        zoo_loss(model, tuple(t[i:i + 1] for t in batch)).sum().backward()
+        for p, g in zip([p for p in model.parameters() if p.requires_grad], per_example):
+            assert rel(g[i], p.grad) <= 1e-5
+
+
+def test_every_strategy_captures_the_expected_forms():
+    model, batch = Zoo(), zoo_batch()
+    kinds = lambda s: {n: type(t[0][1]).__name__ for n, t in  # noqa: E731
+                       zip(PerExampleEngine(model, zoo_loss, "hooks", s).names,
+                           PerExampleEngine(model, zoo_loss, "hooks", s).gradients(batch).terms)}
+    assert kinds("ghost")["conv2d.weight"] == "Outer" and kinds("materialize")["conv2d.weight"] == "Dense"
+    assert kinds("auto")["emb.weight"] == "Outer"  # never materialise an embedding table per example
+
+
+def test_linear_combination_at_two_points():
+    """c*g(x + delta) + (1 - c)*g(x): norms (cross terms included) and sums without materialising."""
+    model, batch = Zoo(), zoo_batch()
+    engine = PerExampleEngine(model, zoo_loss, "hooks", "ghost")
+    ref = PerExampleEngine(model, zoo_loss, "vmap")
+    shifted = [p.detach() + 0.1 * torch.randn_like(p) for p in engine.params]
+    before = [p.detach().clone() for p in engine.params]
+    c = 2.5
+    combo = c * engine.gradients(batch, at=shifted) + (1 - c) * engine.gradients(batch)
+    expected = [c * a + (1 - c) * b for a, b in zip(ref.gradients(batch, at=shifted).materialize(),
+                                                     ref.gradients(batch).materialize())]
+    norms = torch.stack([e.flatten(1).square().sum(1) for e in expected], 1)
+    assert rel(combo.sq_norms(), norms) <= 1e-5
+    w = torch.rand(5)
+    for got, e in zip(combo.weighted_sum(w), expected):
+        assert rel(got, torch.tensordot(w, e, dims=1)) <= 1e-5
+    assert all(torch.equal(p, q) for p, q in zip(engine.params, before)), "evaluating at a point must not move it"
+
+
+def test_difference_is_zero_at_the_same_point():
+    model, batch = Zoo(), zoo_batch()
+    engine = PerExampleEngine(model, zoo_loss)
+    diff = engine.gradients(batch) - engine.gradients(batch)
+    assert diff.sq_norms().abs().max() <= 1e-8
+
+
+def test_tied_weights():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(11, 6)
+            self.out = nn.Linear(6, 11, bias=False)
+            self.out.weight = self.emb.weight
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.emb(x))).mean(1)
+
+    model = Tied()
+    batch = (torch.randint(0, 11, (4, 5)), torch.randint(0, 11, (4,)))
+    hooks = PerExampleEngine(model, mlp_loss, "hooks", "ghost").gradients(batch)
+    ref = PerExampleEngine(model, mlp_loss, "vmap").gradients(batch)
+    assert len(hooks.engine.params) == 1 and len(hooks.terms[0]) == 2
+    assert rel(hooks.sq_norms(), ref.sq_norms()) <= 1e-5
+    assert rel(hooks.materialize()[0], ref.materialize()[0]) <= 1e-5
+
+
+def test_frozen_parameters_are_skipped():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    model[0].weight.requires_grad_(False)
+    engine = PerExampleEngine(model, mlp_loss)
+    assert engine.names == ["0.bias", "2.weight", "2.bias"]
+    batch = (torch.randn(3, 4), torch.randint(0, 2, (3,)))
+    ref = PerExampleEngine(model, mlp_loss, "vmap").gradients(batch)
+    assert rel(engine.gradients(batch).sq_norms(), ref.sq_norms()) <= 1e-5
+
+
+def test_in_place_change_of_a_captured_activation_is_refused():
+    class Sneaky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.a(x)
+            out = self.b(h)
+            h.add_(1.0)  # after b used h: the activation b's gradient needs is gone
+            return out
+
+    model = Sneaky()
+    batch = (torch.randn(3, 4), torch.randint(0, 2, (3,)))
+    with pytest.raises(RuntimeError, match="modified in place"):
+        PerExampleEngine(model, mlp_loss, strategy="ghost").gradients(batch).sq_norms()
+
+
+def test_loss_must_be_per_example():
+    model = nn.Linear(4, 2)
+    batch = (torch.randn(3, 4), torch.randint(0, 2, (3,)))
+    with pytest.raises(ValueError, match="one loss per example"):
+        PerExampleEngine(model, lambda m, b: F.cross_entropy(m(b[0]), b[1])).gradients(batch)
+
+
+def test_no_trainable_parameters():
+    model = nn.Linear(4, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        PerExampleEngine(model, mlp_loss)
+
+
+def test_batchnorm_is_refused_with_its_name_and_fixes_work():
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+    batch = (torch.randn(6, 1, 8, 8), torch.randint(0, 2, (6,)))
+    with pytest.raises(ExampleMixingError, match=r"'1' \(BatchNorm2d\).*GroupNorm"):
+        PerExampleEngine(model, mlp_loss).gradients(batch)
+    grouped = replace_batchnorm(model, groups=2)
+    PerExampleEngine(grouped, mlp_loss).gradients(batch)
+    frozen = freeze_batchnorm(nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(144, 2)))
+    PerExampleEngine(frozen, mlp_loss).gradients(batch)
+
+
+def test_probe_catches_a_loss_that_mixes_examples():
+    model = nn.Linear(4, 2)
+    batch = (torch.randn(6, 4), torch.randint(0, 2, (6,)))
+
+    def batch_normalised(m, b):
+        losses = F.cross_entropy(m(b[0]), b[1], reduction="none")
+        return losses / losses.sum()
+
+    with pytest.raises(ExampleMixingError):
+        check_per_example(model, batch_normalised, batch)
+    check_per_example(model, mlp_loss, batch)  # a per-example loss passes
+
+
+def test_unknown_mode_and_strategy():
+    with pytest.raises(ValueError, match="hooks, vmap"):
+        PerExampleEngine(nn.Linear(2, 2), mlp_loss, mode="magic")
+    with pytest.raises(ValueError, match="auto, materialize, ghost"):
+        PerExampleEngine(nn.Linear(2, 2), mlp_loss, strategy="magic")

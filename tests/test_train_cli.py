@@ -1,0 +1,168 @@
+"""The trainer and the CLI: metrics, exact resume, atomic checkpoints, and clear errors for bad input."""
+
+import json
+import re
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from dpopt.checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, save_checkpoint
+from dpopt.cli import main
+from dpopt.data import datasets
+from dpopt.privacy import GaussianRelease, PoissonSampling, epsilon_of
+from dpopt.train import TrainConfig, resume, train
+
+QUICK = dict(epochs=2, batch_size=128, lr=0.5, epsilon=2.0)
+
+
+def quiet(_):
+    pass
+
+
+def test_account_and_calibrate_json(capsys):
+    assert main(["account", "--noise-multiplier", "1.1", "--sample-rate", str(256 / 60000), "--steps", "14063",
+                 "--delta", "1e-5", "--json"]) == 0
+    eps = json.loads(capsys.readouterr().out)["epsilon"]
+    assert eps == pytest.approx(2.38, abs=0.01)
+    assert main(["calibrate", "--epsilon", "3", "--delta", "1e-5", "--sample-rate", "0.01", "--epochs", "5",
+                 "--json"]) == 0
+    z = json.loads(capsys.readouterr().out)["noise_multiplier"]
+    got = epsilon_of([GaussianRelease(z, PoissonSampling(0.01), 500)], 1e-5)
+    assert 0.99 * 3 <= got <= 3
+
+
+def test_train_writes_metrics(tmp_path, capsys):
+    assert main(["train", "--epochs", "2", "--out", str(tmp_path), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "Privacy statement" in out and "test accuracy" in out
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    for key in ["test_accuracy", "epsilon", "delta", "steps", "algorithm", "dataset"]:
+        assert key in m
+    assert m["epsilon"] <= 2.0 and m["dataset"] == "digits" and m["steps"] == 2 * 11
+    assert m["test_accuracy"] > 0.5
+    assert (tmp_path / CHECKPOINT).is_file()
+
+
+@pytest.mark.parametrize("algorithm", ["dp-sgd", "dp-adam"])
+def test_resume_reproduces_an_uninterrupted_run(tmp_path, algorithm):
+    config = TrainConfig(algorithm=algorithm, lr=0.5 if algorithm == "dp-sgd" else 0.01, momentum=0.0, **{
+        k: v for k, v in QUICK.items() if k != "lr"} | {"epochs": 3})
+    full = train(config, tmp_path / "full", progress=False, log=quiet)
+
+    class Crash(Exception):
+        pass
+
+    def crash_after_first_epoch(msg):
+        if msg.startswith("epoch 1/"):
+            raise Crash
+
+    with pytest.raises(Crash):
+        train(config, tmp_path / "cut", progress=False, log=crash_after_first_epoch)
+    assert load_checkpoint(tmp_path / "cut")["step"] == 11
+    resumed = resume(tmp_path / "cut", progress=False, log=quiet)
+    a, b = load_checkpoint(tmp_path / "full"), load_checkpoint(tmp_path / "cut")
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k])
+    assert resumed["epsilon"] == full["epsilon"] and resumed["steps"] == full["steps"]
+    assert resumed["ledger"] == full["ledger"]
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    save_checkpoint(tmp_path, {"format": "dpopt-checkpoint-1", "step": 1})
+
+    def dies_mid_write(obj, f):
+        f.write(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", dies_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, {"format": "dpopt-checkpoint-1", "step": 2})
+    monkeypatch.undo()
+    assert load_checkpoint(tmp_path)["step"] == 1
+
+
+def test_missing_and_corrupt_checkpoints(tmp_path, capsys):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        resume(tmp_path, progress=False, log=quiet)
+    (tmp_path / CHECKPOINT).write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="corrupt"):
+        resume(tmp_path, progress=False, log=quiet)
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--resume", str(tmp_path)])
+    assert e.value.code == 2 and "corrupt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--epsilon", "0"], "epsilon must be"),
+    (["--epsilon", "-1"], "epsilon must be"),
+    (["--delta", "0"], "delta must lie in"),
+    (["--delta", "1.5"], "delta must lie in"),
+    (["--clip", "0"], "clip bound must be"),
+    (["--noise-multiplier", "-2"], "noise multiplier must be"),
+    (["--lr", "0"], "learning rate must be"),
+    (["--model", "cnn"], "1x28x28"),
+])
+def test_bad_input_gets_a_clear_error(args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--epochs", "1", "--no-progress", *args])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,valid", [("--algorithm", "dp-adam"), ("--dataset", "mnist")])
+def test_unknown_names_list_the_valid_ones(flag, valid, capsys):
+    with pytest.raises(SystemExit):
+        main(["train", flag, "nonsense"])
+    assert valid in capsys.readouterr().err
+    with pytest.raises(ValueError, match=valid):
+        TrainConfig(**{flag[2:]: "nonsense", "epsilon": 1.0}).validate()
+
+
+def test_missing_dataset_says_how_to_get_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(datasets, "data_roots", lambda: [tmp_path])
+    with pytest.raises(datasets.DatasetNotFound, match="dataset-fashion-mnist"):
+        datasets.load_dataset("fashion-mnist")
+    with pytest.raises(datasets.DatasetNotFound, match="--download"):
+        datasets.load_dataset("mnist")
+
+
+def test_large_delta_warns():
+    with pytest.warns(UserWarning, match="1/n"):
+        train(TrainConfig(epochs=1, epsilon=2.0, delta=0.01), progress=False, log=quiet)
+
+
+def test_secure_mode_runs_and_is_not_reproducible():
+    cfg = TrainConfig(epochs=1, epsilon=2.0, secure=True)
+    a = train(cfg, progress=False, log=quiet)
+    b = train(cfg, progress=False, log=quiet)
+    assert a["epsilon"] == b["epsilon"] <= 2.0
+    assert a["history"][0]["train_loss"] != b["history"][0]["train_loss"]
+
+
+def test_mnist_loads_from_the_shared_folder():
+    try:
+        data = datasets.load_dataset("mnist")
+    except datasets.DatasetNotFound:
+        pytest.skip("MNIST is not beside this checkout")
+    assert len(data) == 60000 and len(data.test[1]) == 10000
+    assert torch.bincount(data.train[1]).tolist()[:3] == [5923, 6742, 5958]
+    assert data.train[1][:5].tolist() == [5, 0, 4, 1, 9]
+
+
+def test_the_console_script_runs_the_demo_without_arguments():
+    """`dpopt` with no arguments trains on digits and prints the accuracy and epsilon."""
+    out = subprocess.run([sys.executable, "-m", "dpopt.cli"], capture_output=True, text=True, check=True,
+                         timeout=300).stdout
+    last = out.strip().splitlines()[-1]
+    match = re.match(r"test accuracy ([0-9.]+) at epsilon ([0-9.]+) \(delta 1e-05\)", last)
+    assert match, last
+    assert float(match[1]) > 0.85 and 0.99 * 2.0 <= float(match[2]) <= 2.0
+
+
+def test_no_warning_for_normal_runs():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(TrainConfig(epochs=1, epsilon=2.0), progress=False, log=quiet)
