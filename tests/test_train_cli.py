@@ -104,6 +104,9 @@ def test_missing_and_corrupt_checkpoints(tmp_path, capsys):
     (["--noise-multiplier", "-2"], "noise multiplier must be"),
     (["--lr", "0"], "learning rate must be"),
     (["--model", "cnn"], "1x28x28"),
+    (["--batch-size", "5000"], "batch size must lie in [1, 1437]"),
+    (["--batch-size", "0"], "must be an integer >= 1"),
+    (["--epochs", "0"], "must be an integer >= 1"),
 ])
 def test_bad_input_gets_a_clear_error(args, message, capsys):
     with pytest.raises(SystemExit) as e:

@@ -78,6 +78,7 @@ class DPOptimizer:
         self.engine, self.privatizer, self.base = engine, privatizer, base
         self.transforms = list(transforms)
         self.steps = 0
+        self.verified = False
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -91,6 +92,9 @@ class DPOptimizer:
         """One private step on a batch that this step samples from ``data`` (a tensor or a pytree of
         tensors indexed along dimension 0, or a callable mapping an index tensor to a batch)."""
         batch = take(data, self.privatizer.sampler.batch(self.steps))
+        if not self.verified and batch_size_of(batch) > 0:
+            self.engine.verify(batch)  # once: the engine attributes every layer's gradient correctly
+            self.verified = True
         grads = self.statistic(batch) if batch_size_of(batch) > 0 else None
         g, stats = self.privatizer(grads, self.params, self.steps)
         for t in self.transforms:

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from dpopt.grad.captures import Capture, Dense, Outer, check_version, inner
 from dpopt.grad.fallback import float_leaves, loss_gradients, module_gradients
-from dpopt.grad.rules import Rule, rule_for
+from dpopt.grad.rules import TOKENWISE, Rule, rule_for
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 MODES = ("hooks", "vmap")
@@ -62,9 +62,19 @@ class _LossModule(nn.Module):
 class _Unit:
     """A module whose parameters' per-example gradients are captured together."""
 
-    def __init__(self, module: nn.Module, rule: Rule | None, params: dict[str, int]) -> None:
-        self.module, self.rule = module, rule
+    def __init__(self, name: str, module: nn.Module, rule: Rule | None, params: dict[str, int]) -> None:
+        self.name, self.module, self.rule = name or "<root>", module, rule
         self.params = params  # attribute name (rule) or relative name (fallback) -> parameter index
+
+
+def _check_example_major(unit: _Unit, x: torch.Tensor, b: int) -> None:
+    """A token-wise layer fed B*k rows (tokens flattened, as OPT's MLP does) is regrouped as [B, k, ...],
+    i.e. example-major, the layout of a flattened batch-first tensor. ``PerExampleEngine.verify`` (run on
+    the first batch of every DPOptimizer) catches a model whose rows are laid out otherwise."""
+    if unit.rule not in TOKENWISE or x.shape[0] % b:
+        raise ValueError(f"layer {unit.name!r} ({type(unit.module).__name__}) received {x.shape[0]} rows for a "
+                         f"batch of {b} examples and they cannot be attributed to examples; keep the batch as "
+                         "dimension 0 of every layer's input")
 
 
 class PerExampleGradients:
@@ -173,7 +183,7 @@ class PerExampleEngine:
         self.groups = self._layer_groups()
 
     # --- structure ---------------------------------------------------------------------------------
-    def _collect_units(self, module: nn.Module) -> None:
+    def _collect_units(self, module: nn.Module, name: str = "") -> None:
         direct = {n: self._index[id(p)] for n, p in module._parameters.items()
                   if p is not None and id(p) in self._index}
         if direct:
@@ -181,11 +191,11 @@ class PerExampleEngine:
             if rule is None:  # generic: the whole subtree, which may use its children's parameters directly
                 below = {n: self._index[id(p)] for n, p in module.named_parameters(remove_duplicate=False)
                          if id(p) in self._index}
-                self.units.append(_Unit(module, None, below))
+                self.units.append(_Unit(name, module, None, below))
                 return
-            self.units.append(_Unit(module, rule, direct))
-        for child in module.children():
-            self._collect_units(child)
+            self.units.append(_Unit(name, module, rule, direct))
+        for child_name, child in module.named_children():
+            self._collect_units(child, f"{name}.{child_name}" if name else child_name)
 
     def _layer_groups(self) -> list[int]:
         """Group id of each parameter for per-layer clipping: the module that owns it."""
@@ -200,6 +210,36 @@ class PerExampleEngine:
                     "changes the others' outputs and per-example clipping cannot bound its influence. Replace "
                     "it with GroupNorm (dpopt.models.replace_batchnorm(model)) or freeze it "
                     "(dpopt.models.freeze_batchnorm(model)).")
+
+    def verify(self, batch: Any, examples: int = 3, rtol: float = 1e-3) -> None:
+        """Compare the engine's per-example gradients on the first ``examples`` examples of ``batch`` with
+        one autograd backward per example (in eval mode, so dropout cannot differ). A mismatch means some
+        layer's gradient was attributed to the wrong example, which would void the clipping bound."""
+        b = min(examples, batch_size_of(batch))
+        leaves, spec = tree_flatten(batch)
+        size = batch_size_of(batch)
+        pick = lambda idx: tree_unflatten([t[idx] if isinstance(t, torch.Tensor) and t.dim() > 0  # noqa: E731
+                                           and t.shape[0] == size else t for t in leaves], spec)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            got = self.gradients(pick(slice(0, b))).materialize()
+            for i in range(b):
+                grads = torch.autograd.grad(self.loss_fn(self.model, pick(slice(i, i + 1))).sum(), self.params,
+                                            allow_unused=True)
+                ref = torch.cat([(torch.zeros_like(p) if g is None else g).flatten() for p, g in zip(self.params, grads)])
+                mine = torch.cat([m[i].flatten() for m in got])
+                err = float((mine - ref).norm())
+                if not err <= rtol * float(ref.norm()) + 1e-6:
+                    worst = max(range(len(self.params)), key=lambda j: float(
+                        (got[j][i] - (torch.zeros_like(self.params[j]) if grads[j] is None else grads[j])).norm()))
+                    raise ExampleMixingError(
+                        f"per-example gradients do not match single-example backward passes (relative error "
+                        f"{err / max(float(ref.norm()), 1e-12):.2e}, worst at {self.names[worst]!r}): this model "
+                        "routes one example's computation through another's batch slot in a way the engine "
+                        "cannot attribute. Use mode='vmap' or keep every layer's batch dimension first.")
+        finally:
+            self.model.train(was_training)
 
     # --- evaluation --------------------------------------------------------------------------------
     def gradients(self, batch: Any, at: Sequence[torch.Tensor] | None = None) -> PerExampleGradients:
@@ -253,13 +293,20 @@ class PerExampleEngine:
             wanted = set(unit.params)
 
             def hook(module: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
-                x = (args[0] if args else next(iter(kwargs.values()))).detach()
-                version = x._version
+                arg = args[0] if args else next(iter(kwargs.values()))
+                x, version = arg.detach(), arg._version
                 out = attach(out)
+                rows = x.shape[0]
+                if rows == 1 and b > 1:  # broadcast over the batch (BERT's position_ids buffer, say)
+                    x, out = x.expand(b, *x.shape[1:]), out.expand(b, *out.shape[1:])
+                elif rows != b:
+                    _check_example_major(unit, arg, b)
+                    x = x.reshape(b, rows // b, *x.shape[1:])
 
                 def on_grad(g: torch.Tensor) -> None:
                     check_version(x, version)
-                    for name, cap in unit.rule(module, x, g.detach(), wanted).items():
+                    g = g.detach() if rows in (1, b) else g.detach().reshape(b, rows // b, *g.shape[1:])
+                    for name, cap in unit.rule(module, x, g, wanted).items():
                         terms[unit.params[name]].append((1.0, self._keep(cap)))
 
                 out.register_hook(on_grad)
@@ -274,6 +321,8 @@ class PerExampleEngine:
                 grads: list[torch.Tensor | None] = [None] * len(floats)
                 for k, i in enumerate(floats):
                     leaves[i] = attach(leaves[i])
+                    if leaves[i].dim() > 0 and leaves[i].shape[0] == 1 and b > 1:  # broadcast: per example
+                        leaves[i] = leaves[i].expand(b, *leaves[i].shape[1:])
 
                     def store(g: torch.Tensor, k: int = k) -> None:
                         grads[k] = g.detach()

@@ -108,6 +108,11 @@ RULES: dict[type[nn.Module], Rule] = {
 }
 
 
+# Rules that treat every leading dimension after the batch as tokens: a layer fed [B*k, ...] rows can be
+# regrouped as [B, k, ...] for them.
+TOKENWISE: set[Rule] = {_linear, _embedding, _layer_norm, _rms_norm}
+
+
 def rule_for(module: nn.Module) -> Rule | None:
     """The layer rule for ``module``, or None when the generic fallback must handle it."""
     for base, rule in RULES.items():
