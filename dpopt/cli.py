@@ -6,9 +6,9 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
-from dpopt.algorithms import ALGORITHMS
+from dpopt.algorithms import ALGORITHMS, Hyperparameters
 from dpopt.checkpoint import CheckpointError
 from dpopt.clipping import CLIP_MODES
 from dpopt.data.datasets import DATASETS, DatasetNotFound
@@ -44,11 +44,17 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--epochs", type=_positive_int, default=d.epochs)
     p.add_argument("--batch-size", type=_positive_int, default=d.batch_size,
                    help="expected batch size (Poisson) or batch size (shuffle, fixed)")
-    p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--clip", type=float, default=d.clip, help="per-example clip norm C")
     p.add_argument("--clipping", default=d.clipping, choices=CLIP_MODES)
-    p.add_argument("--momentum", type=float, default=d.momentum)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    for f in dataclasses.fields(Hyperparameters):
+        default = getattr(d.hp, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(default, tuple):
+            p.add_argument(flag, type=type(default[0]), nargs=len(default), default=default, help=f.metadata["help"])
+        elif isinstance(default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
+        else:
+            p.add_argument(flag, type=type(default), default=default, help=f.metadata["help"])
     p.add_argument("--seed", type=int, default=d.seed, help="public seed; the secret noise seed is derived from it")
     p.add_argument("--secure", action="store_true", help="draw noise and batches from OS entropy (not reproducible)")
     p.add_argument("--sampling", default=d.sampling, choices=SAMPLINGS,
@@ -91,30 +97,45 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true")
 
 
+# Subcommands: name -> (adds its parser, runs it). Feature modules add theirs with ``command``.
+COMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], None], Callable[[argparse.Namespace], int]]] = {}
+
+
+def command(name: str, add: Callable[[argparse._SubParsersAction], None]):
+    def register(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+        COMMANDS[name] = (add, run)
+        return run
+
+    return register
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="dpopt", description="Differentially private training for PyTorch.")
     sub = top.add_subparsers(dest="command")
-    _add_train(sub)
-    _add_account(sub)
-    _add_calibrate(sub)
+    for add, _ in COMMANDS.values():
+        add(sub)
     return top
 
 
+@command("train", _add_train)
 def _train(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     if args.resume:
         resume(args.resume, progress)
         return 0
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"hp"}
     values = {k: v for k, v in vars(args).items() if k in fields}
     if values["epsilon"] is None and values["noise_multiplier"] is None:
         values["epsilon"] = DEFAULT_EPSILON
-    metrics = train(TrainConfig(**values), args.out, progress)
+    hp = Hyperparameters(**{f.name: tuple(v) if isinstance(v, list) else v
+                            for f in dataclasses.fields(Hyperparameters) for v in [getattr(args, f.name)]})
+    metrics = train(TrainConfig(**values, hp=hp), args.out, progress)
     print(f"test accuracy {metrics['test_accuracy']:.4f} at epsilon {metrics['epsilon']:.4f} "
           f"(delta {metrics['delta']:g}) after {metrics['steps']} steps, {metrics['wall_time_s']:.1f} s")
     return 0
 
 
+@command("account", _add_account)
 def _account(args: argparse.Namespace) -> int:
     part = (PoissonSampling(args.sample_rate) if args.sample_rate is not None
             else FixedParticipation(args.steps_per_epoch))
@@ -124,6 +145,7 @@ def _account(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("calibrate", _add_calibrate)
 def _calibrate(args: argparse.Namespace) -> int:
     part = PoissonSampling(args.sample_rate)
     steps = args.steps if args.steps is not None else max(1, round(args.epochs * round(1 / args.sample_rate)))
@@ -132,15 +154,12 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "account": _account, "calibrate": _calibrate}
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     top = parser()
     args = top.parse_args(argv or ["train"])
     try:
-        return COMMANDS[args.command](args)
+        return COMMANDS[args.command][1](args)
     except (ValueError, AccountingError, DatasetNotFound, CheckpointError) as e:
         top.exit(2, f"dpopt: error: {e}\n")
 

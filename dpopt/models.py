@@ -11,6 +11,8 @@ from typing import Callable
 
 from torch import nn
 
+from dpopt.data.datasets import Dataset
+
 
 def logreg(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), num_classes))
@@ -31,13 +33,59 @@ def cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
         nn.Flatten(), nn.Linear(32 * 4 * 4, 32), nn.Tanh(), nn.Linear(32, num_classes))
 
 
-MODELS: dict[str, Callable[[tuple[int, ...], int], nn.Module]] = {"logreg": logreg, "mlp": mlp, "cnn": cnn}
+def _quiet_transformers():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    return transformers
 
 
-def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
-    return MODELS[name](input_shape, num_classes)
+MINILM_SHAPE = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536)
+
+
+def minilm(data: Dataset) -> nn.Module:
+    """The pretrained all-MiniLM-L6-v2 (BERT, 6 layers, hidden 384) with a fresh classification head."""
+    from dpopt.data.text import minilm_path
+
+    t = _quiet_transformers()
+    return t.AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=data.num_classes)
+
+
+def minilm_random(data: Dataset) -> nn.Module:
+    """MiniLM's architecture with random weights (a BERT-shaped model for speed and memory work)."""
+    t = _quiet_transformers()
+    return t.BertForSequenceClassification(t.BertConfig(vocab_size=30522, num_labels=data.num_classes, **MINILM_SHAPE))
+
+
+def vit_tiny(data: Dataset) -> nn.Module:
+    """A small ViT trained from scratch on 28x28 images (patches of 7, 4 layers, hidden 64)."""
+    if data.kind != "image" or data.input_shape[1:] != (28, 28):
+        raise ValueError("vit-tiny is built for 28x28 images (MNIST, Fashion-MNIST)")
+    t = _quiet_transformers()
+    config = t.ViTConfig(image_size=28, patch_size=7, num_channels=data.input_shape[0], hidden_size=64,
+                         num_hidden_layers=4, num_attention_heads=4, intermediate_size=128,
+                         num_labels=data.num_classes)
+    return t.ViTForImageClassification(config)
+
+
+IMAGE_MODELS: dict[str, Callable[[tuple[int, ...], int], nn.Module]] = {"logreg": logreg, "mlp": mlp, "cnn": cnn}
+DATA_MODELS: dict[str, tuple[str, Callable[[Dataset], nn.Module]]] = {
+    "minilm": ("text", minilm), "minilm-random": ("text", minilm_random), "vit-tiny": ("image", vit_tiny)}
+MODELS = sorted([*IMAGE_MODELS, *DATA_MODELS])
+
+
+def build_model(name: str, data: Dataset) -> nn.Module:
+    if name in IMAGE_MODELS:
+        if data.kind != "image":
+            raise ValueError(f"model {name!r} takes image or tabular tensors; for text use minilm or minilm-random")
+        return IMAGE_MODELS[name](data.input_shape, data.num_classes)
+    if name in DATA_MODELS:
+        kind, make = DATA_MODELS[name]
+        if data.kind != kind:
+            raise ValueError(f"model {name!r} needs {kind} data, and {data.name} is {data.kind} data")
+        return make(data)
+    raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
 
 
 def replace_batchnorm(model: nn.Module, groups: int = 32) -> nn.Module:

@@ -24,8 +24,8 @@ from tqdm.auto import tqdm
 from dpopt.algorithms import ALGORITHMS, DPOptimizer, Hyperparameters, Privatizer, build_algorithm
 from dpopt.checkpoint import load_checkpoint, save_checkpoint
 from dpopt.clipping import Clipping
-from dpopt.data.datasets import DATASETS, Dataset, load_dataset
-from dpopt.data.samplers import SAMPLINGS, make_sampler
+from dpopt.data.datasets import DATASETS, Dataset, labels_of, load_dataset
+from dpopt.data.samplers import SAMPLINGS, make_sampler, take
 from dpopt.grad.engine import MODES, STRATEGIES, PerExampleEngine, check_per_example
 from dpopt.models import MODELS, build_model
 from dpopt.noise.gaussian import GaussianNoise
@@ -44,11 +44,8 @@ class TrainConfig:
     noise_multiplier: float | None = None
     epochs: int = 20
     batch_size: int = 128
-    lr: float = 0.5
     clip: float = 1.0
     clipping: str = "flat"
-    momentum: float = 0.0
-    weight_decay: float = 0.0
     seed: int = 0
     secure: bool = False
     sampling: str = "poisson"
@@ -57,12 +54,13 @@ class TrainConfig:
     per_example: str = "hooks"
     strategy: str = "auto"
     download: bool = False
+    hp: Hyperparameters = Hyperparameters()
 
     def validate(self) -> None:
-        for field, known in [("algorithm", ALGORITHMS), ("dataset", DATASETS), ("model", MODELS),
-                             ("sampling", SAMPLINGS), ("per_example", MODES), ("strategy", STRATEGIES)]:
-            if getattr(self, field) not in known:
-                raise ValueError(f"unknown {field} {getattr(self, field)!r}; choose one of {', '.join(sorted(known))}")
+        for name, known in [("algorithm", ALGORITHMS), ("dataset", DATASETS), ("model", MODELS),
+                            ("sampling", SAMPLINGS), ("per_example", MODES), ("strategy", STRATEGIES)]:
+            if getattr(self, name) not in known:
+                raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(sorted(known))}")
         if (self.epsilon is None) == (self.noise_multiplier is None):
             raise ValueError("give exactly one of epsilon (the noise is calibrated to it) or noise_multiplier")
         if self.epsilon is not None:
@@ -75,10 +73,9 @@ class TrainConfig:
             raise ValueError(f"epochs must be >= 1, got {self.epochs}")
         Relation(self.relation)
         Clipping(self.clip, self.clipping)
-        self.hyperparameters()
 
-    def hyperparameters(self) -> Hyperparameters:
-        return Hyperparameters(lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
@@ -86,22 +83,31 @@ class TrainConfig:
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown config keys: {', '.join(sorted(unknown))}")
-        return cls(**data)
+        hp = {k: tuple(v) if isinstance(v, list) else v for k, v in data.get("hp", {}).items()}
+        return cls(**{**data, "hp": Hyperparameters(**hp)})
 
 
-def classification_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = batch
-    return F.cross_entropy(model(x), y, reduction="none")
+def logits_of(model: nn.Module, batch: Any) -> torch.Tensor:
+    """Class scores for a batch of (inputs, labels) or of a dict of model inputs with "labels"."""
+    out = model(**{k: v for k, v in batch.items() if k != "labels"}) if isinstance(batch, dict) else model(batch[0])
+    return out.logits if hasattr(out, "logits") else out
+
+
+def classification_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    return F.cross_entropy(logits_of(model, batch), labels_of(batch), reduction="none")
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor], batch_size: int = 2048) -> float:
+def accuracy(model: nn.Module, data: Any, batch_size: int = 1024) -> float:
     was_training = model.training
     model.eval()
-    correct = sum(int((model(x).argmax(1) == y).sum())
-                  for x, y in zip(data[0].split(batch_size), data[1].split(batch_size)))
+    n = len(labels_of(data))
+    correct = 0
+    for start in range(0, n, batch_size):
+        batch = take(data, torch.arange(start, min(n, start + batch_size)))
+        correct += int((logits_of(model, batch).argmax(-1) == labels_of(batch)).sum())
     model.train(was_training)
-    return correct / len(data[1])
+    return correct / n
 
 
 @dataclass
@@ -125,10 +131,10 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print) -> Run:
         warnings.warn(f"delta = {config.delta:g} is not below 1/n = {1 / n:.3g}: such a guarantee allows "
                       "releasing an example outright; use delta << 1/n", stacklevel=2)
     torch.manual_seed(derive_seed(config.seed, "public", "init"))
-    model = build_model(config.model, data.input_shape, data.num_classes)
+    model = build_model(config.model, data)
     engine = PerExampleEngine(model, classification_loss, config.per_example, config.strategy)
     engine.check_no_mixing()
-    check_per_example(model, classification_loss, (data.train[0][:8], data.train[1][:8]))
+    check_per_example(model, classification_loss, take(data.train, torch.arange(min(8, n))))
 
     secret_seed = None if config.secure else config.seed
     sampler = make_sampler(config.sampling, n, config.batch_size, SecretStream(secret_seed, "sampling"))
@@ -142,12 +148,12 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print) -> Run:
     ledger = PrivacyLedger(config.relation, config.accountant)
     noise = GaussianNoise(z, clipping.sensitivity, SecretStream(secret_seed, "noise"))
     privatizer = Privatizer(clipping, noise, sampler, ledger)
-    optimizer = build_algorithm(config.algorithm, engine, privatizer, config.hyperparameters())
+    optimizer = build_algorithm(config.algorithm, engine, privatizer, config.hp)
     return Run(config, data, model, optimizer, sampler, ledger, total)
 
 
 def _state(run: Run, history: list[dict[str, Any]], wall: float) -> dict[str, Any]:
-    return {"format": "dpopt-checkpoint-1", "config": dataclasses.asdict(run.config),
+    return {"format": "dpopt-checkpoint-1", "config": run.config.to_dict(),
             "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
             "ledger": run.ledger.to_dict(), "step": run.optimizer.steps, "history": history, "wall_time_s": wall}
 
@@ -174,9 +180,8 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
         losses: list[float] = []
         epoch_nonfinite = 0
         bar = tqdm(range(per_epoch), desc=f"epoch {epoch + 1}/{config.epochs}", disable=not progress, leave=False)
-        for k in bar:
-            step = epoch * per_epoch + k
-            torch.manual_seed(derive_seed(config.seed, "public", "step", step))  # dropout etc.; not secret
+        for _ in bar:
+            torch.manual_seed(derive_seed(config.seed, "public", "step", run.optimizer.steps))  # dropout; not secret
             result = run.optimizer.step(run.data.train)
             epoch_nonfinite += result.nonfinite
             if result.loss is not None:
@@ -205,7 +210,7 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
                         else None),
         "accountant": config.accountant, "relation": config.relation, "nonfinite_examples": nonfinite,
         "wall_time_s": wall, "history": history, "ledger": run.ledger.to_dict(),
-        "config": dataclasses.asdict(config),
+        "config": config.to_dict(),
     }
     statement = privacy_statement(run.ledger, config.delta, len(run.data))
     metrics["privacy_statement"] = statement

@@ -9,13 +9,14 @@ import warnings
 import pytest
 import torch
 
+from dpopt.algorithms import Hyperparameters
 from dpopt.checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, save_checkpoint
 from dpopt.cli import main
 from dpopt.data import datasets
 from dpopt.privacy import GaussianRelease, PoissonSampling, epsilon_of
 from dpopt.train import TrainConfig, resume, train
 
-QUICK = dict(epochs=2, batch_size=128, lr=0.5, epsilon=2.0)
+QUICK = dict(epochs=2, batch_size=128, epsilon=2.0)
 
 
 def quiet(_):
@@ -48,8 +49,8 @@ def test_train_writes_metrics(tmp_path, capsys):
 
 @pytest.mark.parametrize("algorithm", ["dp-sgd", "dp-adam"])
 def test_resume_reproduces_an_uninterrupted_run(tmp_path, algorithm):
-    config = TrainConfig(algorithm=algorithm, lr=0.5 if algorithm == "dp-sgd" else 0.01, momentum=0.0, **{
-        k: v for k, v in QUICK.items() if k != "lr"} | {"epochs": 3})
+    hp = Hyperparameters(lr=0.5 if algorithm == "dp-sgd" else 0.01)
+    config = TrainConfig(algorithm=algorithm, hp=hp, **QUICK | {"epochs": 3})
     full = train(config, tmp_path / "full", progress=False, log=quiet)
 
     class Crash(Exception):

@@ -21,7 +21,7 @@ from dpopt.clipping import Clipping, ClipStats, clip_and_sum
 from dpopt.data.samplers import PoissonSampler, Sampler, take
 from dpopt.grad.engine import PerExampleEngine, PerExampleGradients, batch_size_of
 from dpopt.noise.gaussian import GaussianNoise
-from dpopt.privacy.ledger import GaussianRelease, PoissonSampling, PrivacyLedger
+from dpopt.privacy.ledger import PoissonSampling, PrivacyLedger
 
 
 @dataclass
@@ -49,7 +49,7 @@ class Privatizer:
         else:
             sums, stats = clip_and_sum(grads, self.clipping)
         noisy = self.noise(sums, step)
-        self.ledger.record(GaussianRelease(self.noise.noise_multiplier, self.sampler.participation))
+        self.ledger.record(self.noise.release(self.sampler.participation))
         return [n / self.sampler.normalizer for n in noisy], stats
 
 

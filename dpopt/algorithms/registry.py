@@ -3,20 +3,28 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from dpopt.algorithms.base import DPOptimizer, Privatizer
 from dpopt.grad.engine import PerExampleEngine
 
 
+def hyper(default, help: str):  # noqa: A002
+    """A hyper-parameter field; its help text becomes the ``dpopt train`` flag's help."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class Hyperparameters:
-    lr: float = 0.1
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
+    """The optimisation hyper-parameters of every recipe; each becomes a ``dpopt train`` flag.
+    A recipe reads the fields it needs; a new method adds its own fields here."""
+
+    lr: float = hyper(0.5, "learning rate")
+    momentum: float = hyper(0.0, "SGD momentum (dp-sgd)")
+    weight_decay: float = hyper(0.0, "weight decay (decoupled for dp-adamw)")
+    betas: tuple[float, float] = hyper((0.9, 0.999), "Adam betas")
+    eps: float = hyper(1e-8, "Adam epsilon")
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):

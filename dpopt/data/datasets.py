@@ -12,7 +12,7 @@ import os
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -24,17 +24,28 @@ class DatasetNotFound(FileNotFoundError):
 
 @dataclass
 class Dataset:
+    """Train and test splits as (inputs, labels) tensors, or as dicts of tensors with a "labels" entry
+    (tokenized text: input_ids, attention_mask)."""
+
     name: str
-    train: tuple[torch.Tensor, torch.Tensor]
-    test: tuple[torch.Tensor, torch.Tensor]
+    train: Any
+    test: Any
     num_classes: int
 
     @property
+    def kind(self) -> str:
+        return "text" if isinstance(self.train, dict) else "image"
+
+    @property
     def input_shape(self) -> tuple[int, ...]:
-        return tuple(self.train[0].shape[1:])
+        return tuple((self.train["input_ids"] if self.kind == "text" else self.train[0]).shape[1:])
 
     def __len__(self) -> int:
-        return len(self.train[1])
+        return len(labels_of(self.train))
+
+
+def labels_of(data: Any) -> torch.Tensor:
+    return data["labels"] if isinstance(data, dict) else data[1]
 
 
 def data_roots() -> list[Path]:
@@ -136,8 +147,18 @@ def mnist1d(download: bool = False) -> Dataset:
     return Dataset("mnist1d", (x(d["x"]), y(d["y"])), (x(d["x_test"]), y(d["y_test"])), 10)
 
 
+def _text(name: str) -> Callable[[bool], Dataset]:
+    def load(download: bool) -> Dataset:
+        from dpopt.data import text
+
+        return {"rotten-tomatoes": text.rotten_tomatoes, "rotten-tomatoes-512": text.rotten_tomatoes_512}[name](download)
+
+    return load
+
+
 DATASETS: dict[str, Callable[[bool], Dataset]] = {
     "digits": digits, "mnist": mnist, "fashion-mnist": fashion_mnist, "mnist1d": mnist1d,
+    "rotten-tomatoes": _text("rotten-tomatoes"), "rotten-tomatoes-512": _text("rotten-tomatoes-512"),
 }
 
 

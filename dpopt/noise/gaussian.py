@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from dpopt.noise.rng import SecretStream
+from dpopt.privacy.ledger import GaussianRelease, Participation
 
 
 class GaussianNoise:
@@ -19,6 +20,10 @@ class GaussianNoise:
         self.noise_multiplier = float(noise_multiplier)
         self.sensitivity = float(sensitivity)
         self.stream = stream
+
+    def release(self, participation: Participation) -> GaussianRelease:
+        """What one call releases, for the ledger."""
+        return GaussianRelease(self.noise_multiplier, participation)
 
     @property
     def std(self) -> float:

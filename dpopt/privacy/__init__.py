@@ -2,8 +2,8 @@
 
 from dpopt.privacy.calibrate import check_budget, noise_multiplier_for
 from dpopt.privacy.ledger import (AccountingError, FixedParticipation, GaussianRelease, Participation,
-                                  PoissonSampling, PrivacyLedger, Relation, epsilon_of)
+                                  PoissonSampling, PrivacyLedger, Relation, Release, epsilon_of, register_release)
 from dpopt.privacy.statement import privacy_statement
 
 __all__ = ["AccountingError", "FixedParticipation", "GaussianRelease", "Participation", "PoissonSampling",
-           "PrivacyLedger", "Relation", "check_budget", "epsilon_of", "noise_multiplier_for", "privacy_statement"]
+           "PrivacyLedger", "Relation", "Release", "check_budget", "register_release", "epsilon_of", "noise_multiplier_for", "privacy_statement"]

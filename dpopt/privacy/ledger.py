@@ -5,7 +5,7 @@ examples participate) and builds dp-accounting events from them only when epsilo
 indirection matters: dp-accounting's PLD and RDP accountants read a ``GaussianDpEvent`` differently
 under the replace-one relation (PLD takes the noise relative to one record's bound and doubles the
 distance internally; RDP ignores the relation), so an event built once and handed to both would give
-one of them a wrong epsilon. ``_dp_event`` is the one place that knows those conventions.
+one of them a wrong epsilon. Each ``Release`` type's ``dp_event`` and ``pld`` hold that knowledge.
 
 Neighbouring relations (``Relation``):
 
@@ -23,7 +23,7 @@ import functools
 import logging
 import math
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Iterator, Union
+from typing import Any, ClassVar, Iterator, Union
 
 import dp_accounting as dpa
 from dp_accounting import pld, rdp
@@ -67,11 +67,46 @@ class FixedParticipation:
 Participation = Union[PoissonSampling, FixedParticipation]
 
 
+class Release:
+    """A kind of private release, repeated ``steps`` times. Subclasses are frozen dataclasses that say how
+    dp-accounting must see them (``dp_event`` for RDP, ``pld`` for PLD) and register themselves under a
+    ``mechanism`` name for serialisation. A release an accountant cannot analyse raises AccountingError."""
+
+    mechanism: ClassVar[str]
+    steps: int
+
+    def same_mechanism(self, other: "Release") -> bool:
+        return type(self) is type(other) and replace(self, steps=0) == replace(other, steps=0)  # type: ignore
+
+    def dp_event(self, accountant: str, relation: Relation) -> dpa.DpEvent:
+        raise NotImplementedError
+
+    def pld(self, relation: Relation, interval: float) -> pld_lib.PrivacyLossDistribution:
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Release":
+        raise NotImplementedError
+
+
+RELEASES: dict[str, type[Release]] = {}
+
+
+def register_release(cls: type[Release]) -> type[Release]:
+    RELEASES[cls.mechanism] = cls
+    return cls
+
+
+@register_release
 @dataclass(frozen=True)
-class GaussianRelease:
+class GaussianRelease(Release):
     """``steps`` releases of a clipped sum plus N(0, (noise_multiplier * C)^2 I), where C bounds one
     example's contribution (its clip norm). The statistic may be any per-example vector of norm <= C."""
 
+    mechanism: ClassVar[str] = "gaussian"
     noise_multiplier: float
     participation: Participation
     steps: int = 1
@@ -82,40 +117,53 @@ class GaussianRelease:
         if self.steps < 0:
             raise ValueError(f"steps must be >= 0, got {self.steps}")
 
-    def same_mechanism(self, other: "GaussianRelease") -> bool:
-        return (self.noise_multiplier, self.participation) == (other.noise_multiplier, other.participation)
+    def dp_event(self, accountant: str, relation: Relation) -> dpa.DpEvent:
+        z, part = self.noise_multiplier, self.participation
+        if isinstance(part, PoissonSampling):
+            if relation == Relation.REPLACE_ONE and accountant == "rdp":
+                raise AccountingError(
+                    "the RDP accountant has no analysis of Poisson sampling under replace-one neighbours; "
+                    "use --accountant pld (or the add-remove relation)")
+            # dp-accounting's Poisson events take z relative to one record's bound under either relation.
+            return dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(part.rate, dpa.GaussianDpEvent(z)), self.steps)
+        # A plain Gaussian: PLD (built with REPLACE_ONE) doubles the distance itself, RDP does not.
+        if relation == Relation.REPLACE_ONE and accountant == "rdp":
+            z = z / 2.0
+        return dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(z), math.ceil(self.steps / part.period))
+
+    def pld(self, relation: Relation, interval: float) -> pld_lib.PrivacyLossDistribution:
+        """Exactly what ``PLDAccountant`` composes for ``dp_event``, with the one-step PLD cached."""
+        part = self.participation
+        if isinstance(part, PoissonSampling):
+            return _subsampled_gaussian_pld(self.noise_multiplier, part.rate, relation, interval).self_compose(
+                self.steps)
+        count = math.ceil(self.steps / part.period)
+        return pld_lib.from_gaussian_mechanism(self.noise_multiplier / math.sqrt(count),
+                                               value_discretization_interval=interval,
+                                               neighboring_relation=_relation(relation))
+
+    def to_dict(self) -> dict[str, Any]:
+        kind = "poisson" if isinstance(self.participation, PoissonSampling) else "fixed"
+        return {"mechanism": self.mechanism, "noise_multiplier": self.noise_multiplier, "steps": self.steps,
+                "participation": {"kind": kind, **asdict(self.participation)}}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "GaussianRelease":
+        p = dict(data["participation"])
+        kind = p.pop("kind")
+        part: Participation = PoissonSampling(**p) if kind == "poisson" else FixedParticipation(**p)
+        return cls(data["noise_multiplier"], part, data["steps"])
 
 
 ACCOUNTANTS = ("pld", "rdp")
 
 
 def _make_accountant(kind: str, relation: Relation) -> dpa.PrivacyAccountant:
-    rel = dpa.NeighboringRelation.REPLACE_ONE if relation == Relation.REPLACE_ONE else dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
     if kind == "pld":
-        return pld.PLDAccountant(neighboring_relation=rel)
+        return pld.PLDAccountant(neighboring_relation=_relation(relation))
     if kind == "rdp":
-        return rdp.RdpAccountant(neighboring_relation=rel)
+        return rdp.RdpAccountant(neighboring_relation=_relation(relation))
     raise ValueError(f"unknown accountant {kind!r}; choose one of {', '.join(ACCOUNTANTS)}")
-
-
-def _dp_event(release: GaussianRelease, kind: str, relation: Relation) -> dpa.DpEvent:
-    """The dp-accounting event of ``release`` for an accountant of ``kind`` built with ``relation``."""
-    z = release.noise_multiplier
-    part = release.participation
-    if isinstance(part, PoissonSampling):
-        if relation == Relation.REPLACE_ONE and kind == "rdp":
-            raise AccountingError(
-                "the RDP accountant has no analysis of Poisson sampling under replace-one neighbours; "
-                "use --accountant pld (or the add-remove relation)"
-            )
-        # dp-accounting's Poisson events take z relative to one record's bound under either relation.
-        step = dpa.PoissonSampledDpEvent(part.rate, dpa.GaussianDpEvent(z))
-        return dpa.SelfComposedDpEvent(step, release.steps)
-    participations = math.ceil(release.steps / part.period)
-    # A plain Gaussian: PLD (built with REPLACE_ONE) doubles the distance itself, RDP does not.
-    if relation == Relation.REPLACE_ONE and kind == "rdp":
-        z = z / 2.0
-    return dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(z), participations)
 
 
 # dp-accounting's PLDAccountant default; COARSE is pessimistic (never under-reports) and 10x faster.
@@ -136,18 +184,6 @@ def _relation(relation: Relation) -> dpa.NeighboringRelation:
             else dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
 
 
-def _pld(release: GaussianRelease, relation: Relation, interval: float) -> pld_lib.PrivacyLossDistribution:
-    """The PLD of ``release``, exactly as ``PLDAccountant`` composes its ``_dp_event``."""
-    part = release.participation
-    if isinstance(part, PoissonSampling):
-        return _subsampled_gaussian_pld(release.noise_multiplier, part.rate, relation, interval).self_compose(
-            release.steps)
-    count = math.ceil(release.steps / part.period)
-    return pld_lib.from_gaussian_mechanism(release.noise_multiplier / math.sqrt(count),
-                                           value_discretization_interval=interval,
-                                           neighboring_relation=_relation(relation))
-
-
 @contextlib.contextmanager
 def _quiet_absl() -> Iterator[None]:
     """dp-accounting's RDP code logs a warning per order it drops; the result accounts for that."""
@@ -160,25 +196,26 @@ def _quiet_absl() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def epsilon_of(releases: list[GaussianRelease], delta: float, accountant: str = "pld",
+def epsilon_of(releases: list[Release], delta: float, accountant: str = "pld",
                relation: Relation | str = Relation.ADD_REMOVE, interval: float = FINE) -> float:
     """Epsilon at ``delta`` of the adaptive composition of ``releases``."""
     if not 0.0 < delta < 1.0:
         raise ValueError(f"delta must lie in (0, 1), got {delta}")
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"unknown accountant {accountant!r}; choose one of {', '.join(ACCOUNTANTS)}")
     relation = Relation(relation)
     releases = [r for r in releases if r.steps > 0]
-    for r in releases:
-        _dp_event(r, accountant, relation)  # refuses what the accountant cannot account for
+    events = [r.dp_event(accountant, relation) for r in releases]  # refuses what cannot be accounted
     if not releases:
         return 0.0
-    if any(r.noise_multiplier == 0.0 for r in releases):
+    if any(getattr(r, "noise_multiplier", None) == 0.0 for r in releases):
         return math.inf
     if accountant == "pld":
-        dist = functools.reduce(lambda a, b: a.compose(b), (_pld(r, relation, interval) for r in releases))
+        dist = functools.reduce(lambda a, b: a.compose(b), (r.pld(relation, interval) for r in releases))
         return float(dist.get_epsilon_for_delta(delta))
     acc = _make_accountant(accountant, relation)
     with _quiet_absl():
-        acc.compose(dpa.ComposedDpEvent([_dp_event(r, accountant, relation) for r in releases]))
+        acc.compose(dpa.ComposedDpEvent(events))
         return float(acc.get_epsilon(delta))
 
 
@@ -194,15 +231,15 @@ class PrivacyLedger:
             raise ValueError(f"unknown accountant {accountant!r}; choose one of {', '.join(ACCOUNTANTS)}")
         self.relation = Relation(relation)
         self.accountant = accountant
-        self.entries: list[GaussianRelease] = []
+        self.entries: list[Release] = []
         self._cache: dict[tuple, float] = {}
 
-    def record(self, release: GaussianRelease) -> None:
+    def record(self, release: Release) -> None:
         """Append one release; refuses up front a release the accountant could not account for."""
-        _dp_event(release, self.accountant, self.relation)
+        release.dp_event(self.accountant, self.relation)
         if self.entries and self.entries[-1].same_mechanism(release):
             last = self.entries[-1]
-            self.entries[-1] = replace(last, steps=last.steps + release.steps)
+            self.entries[-1] = replace(last, steps=last.steps + release.steps)  # type: ignore[type-var]
         else:
             self.entries.append(release)
 
@@ -218,23 +255,14 @@ class PrivacyLedger:
         return self._cache[key]
 
     def to_dict(self) -> dict[str, Any]:
-        def entry(e: GaussianRelease) -> dict[str, Any]:
-            part = e.participation
-            kind = "poisson" if isinstance(part, PoissonSampling) else "fixed"
-            return {"mechanism": "gaussian", "noise_multiplier": e.noise_multiplier, "steps": e.steps,
-                    "participation": {"kind": kind, **asdict(part)}}
-
         return {"relation": self.relation.value, "accountant": self.accountant,
-                "entries": [entry(e) for e in self.entries]}
+                "entries": [e.to_dict() for e in self.entries]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PrivacyLedger":
         ledger = cls(data["relation"], data["accountant"])
         for e in data["entries"]:
-            if e.get("mechanism") != "gaussian":
+            if e.get("mechanism") not in RELEASES:
                 raise ValueError(f"unknown release mechanism in ledger: {e.get('mechanism')!r}")
-            p = dict(e["participation"])
-            kind = p.pop("kind")
-            part: Participation = PoissonSampling(**p) if kind == "poisson" else FixedParticipation(**p)
-            ledger.record(GaussianRelease(e["noise_multiplier"], part, e["steps"]))
+            ledger.record(RELEASES[e["mechanism"]].from_dict(e))
         return ledger
