@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import sys
+from pathlib import Path
 from typing import Callable, Sequence
 
 from dpopt.algorithms import ALGORITHMS, Hyperparameters
@@ -107,6 +109,32 @@ def command(name: str, add: Callable[[argparse._SubParsersAction], None]):
         return run
 
     return register
+
+
+def _add_reproduce(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("reproduce", help="run a paper reproduction from the repository's experiments/ folder",
+                       add_help=False)
+    p.add_argument("name", nargs="?", help="experiment module (experiments/NAME.py); omit to list them")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the experiment (try --help)")
+
+
+def _experiments_dir() -> Path:
+    return Path(__file__).resolve().parents[1] / "experiments"
+
+
+@command("reproduce", _add_reproduce)
+def _reproduce(args: argparse.Namespace) -> int:
+    folder = _experiments_dir()
+    names = sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_"))
+    if not args.name:
+        print("\n".join(names))
+        return 0
+    if args.name not in names:
+        raise ValueError(f"unknown experiment {args.name!r}; choose one of {', '.join(names)}")
+    if str(folder.parent) not in sys.path:
+        sys.path.insert(0, str(folder.parent))
+    module = importlib.import_module(f"experiments.{args.name}")
+    return int(module.main(args.rest) or 0)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -1,0 +1,1 @@
+"""Paper reproductions: each module has ``main(argv) -> int`` and is run by ``dpopt reproduce NAME``."""
