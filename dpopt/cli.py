@@ -137,6 +137,19 @@ def _reproduce(args: argparse.Namespace) -> int:
     return int(module.main(args.rest) or 0)
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from dpopt import bench
+
+    bench.add_arguments(sub.add_parser("bench", help="time and memory of a step: PyTorch vs dpopt vs Opacus"))
+
+
+@command("bench", _add_bench)
+def _bench(args: argparse.Namespace) -> int:
+    from dpopt import bench
+
+    return bench.run(args)
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="dpopt", description="Differentially private training for PyTorch.")
     sub = top.add_subparsers(dest="command")

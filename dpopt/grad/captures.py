@@ -20,9 +20,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
-# Temporaries of per-example work are processed in chunks of examples holding at most this many elements.
-CHUNK_ELEMENTS = 1 << 24
+# Per-example temporaries (Gram matrices, unfolded patches) are formed for chunks of examples holding at
+# most this many elements, so the clip stage never needs more than a few MB on top of the captures.
+CHUNK_ELEMENTS = 1 << 20
 
 
 def _chunks(batch: int, per_example: int) -> list[slice]:
@@ -74,6 +76,9 @@ class Dense(Capture):
     def held_elements(self) -> int:
         return self.g.numel()
 
+    def subset(self, rows: torch.Tensor) -> "Dense":
+        return Dense(self.g[rows], self.shape)
+
 
 class Outer(Capture):
     """G_i = sum_t left[i, t] (x) right[i, t], reshaped to ``shape`` (rows x cols elements).
@@ -102,6 +107,17 @@ class Outer(Capture):
     @property
     def steps(self) -> int:
         return self.right.shape[1]
+
+    def factors(self, s: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """(left, right) of the examples in ``s``."""
+        return self.left[s], self.right[s]
+
+    def factor_temporaries(self) -> int:
+        """Elements per example that ``factors`` allocates (none: they are views)."""
+        return 0
+
+    def subset(self, rows: torch.Tensor) -> "Outer":
+        return Outer(self.left[rows], self.right[rows], self.rows, self.shape)
 
     def materialize(self) -> torch.Tensor:
         self.check_unchanged()
@@ -139,16 +155,81 @@ class Outer(Capture):
         return (self.steps + other.steps + 1) * self.rows * self.cols
 
 
-def _left_gram(a: Outer, b: Outer, s: slice) -> torch.Tensor:
-    """(L_a L_b^T)[i] for the examples in ``s``: [n, T_a, T_b]."""
-    la, lb = a.left[s], b.left[s]
-    if a.indexed and b.indexed:
-        return (la.unsqueeze(2) == lb.unsqueeze(1)).to(_f32(a.right).dtype)
-    if a.indexed:  # one-hot rows of a pick entries of b's dense left factors
+class ConvOuter(Outer):
+    """A Conv2d weight's per-example gradients kept as the layer's input and output gradient.
+
+    Its factors are the unfolded input patches (k*k times larger than the input) and the output gradient;
+    they are formed only per chunk of examples, for ghost norms. The weighted sum is the convolution
+    weight-gradient kernel on the rescaled output gradient, and materialising is one grouped convolution
+    with the batch folded into the groups (Rochette et al., 2019), so no unfold is kept.
+    """
+
+    def __init__(self, x: torch.Tensor, g: torch.Tensor, kernel: tuple[int, int], stride: tuple[int, int],
+                 dilation: tuple[int, int], padding: tuple[int, int], groups: int,
+                 shape: torch.Size | tuple[int, ...]) -> None:
+        self.x, self.g = x, g
+        self.kernel, self.stride, self.dilation, self.padding, self.groups = kernel, stride, dilation, padding, groups
+        self.shape = torch.Size(shape)
+        self.batch_size, self.rows = g.shape[:2]
+        self.cols = math.prod(self.shape) // self.rows
+        self._versions = (x._version, g._version)
+
+    def check_unchanged(self) -> None:
+        check_version(self.x, self._versions[0])
+        check_version(self.g, self._versions[1])
+
+    @property
+    def indexed(self) -> bool:
+        return False
+
+    @property
+    def steps(self) -> int:
+        return self.g.shape[2] * self.g.shape[3]
+
+    def factor_temporaries(self) -> int:
+        return self.steps * self.cols
+
+    def factors(self, s: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        cols = F.unfold(self.x[s], self.kernel, dilation=self.dilation, padding=self.padding, stride=self.stride)
+        return self.g[s].flatten(2).transpose(1, 2), cols.transpose(1, 2)
+
+    def subset(self, rows: torch.Tensor) -> "ConvOuter":
+        return ConvOuter(self.x[rows], self.g[rows], self.kernel, self.stride, self.dilation, self.padding,
+                         self.groups, self.shape)
+
+    def _weight_grad(self, x: torch.Tensor, g: torch.Tensor, shape: tuple[int, ...], groups: int) -> torch.Tensor:
+        return torch.nn.grad.conv2d_weight(x, shape, g, stride=self.stride, padding=self.padding,
+                                           dilation=self.dilation, groups=groups)
+
+    def materialize(self) -> torch.Tensor:
+        self.check_unchanged()
+        b, c_in, h, w = self.x.shape
+        c_out = self.g.shape[1]
+        per_group_in = c_in // self.groups
+        grads = self._weight_grad(self.x.reshape(1, b * c_in, h, w), self.g.reshape(1, b * c_out, *self.g.shape[2:]),
+                                  (b * c_out, per_group_in, *self.kernel), b * self.groups)
+        return grads.view(b, *self.shape)
+
+    def weighted_sum(self, w: torch.Tensor) -> torch.Tensor:
+        self.check_unchanged()
+        g = self.g * w.to(self.g.dtype).view(-1, 1, 1, 1)
+        shape = (self.rows, self.x.shape[1] // self.groups, *self.kernel)
+        return self._weight_grad(self.x, g, shape, self.groups).view(self.shape)
+
+    def held_elements(self) -> int:
+        return self.x.numel() + self.g.numel()
+
+
+def _left_gram(la: torch.Tensor, lb: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """L_a L_b^T per example, [n, T_a, T_b]; an int64 factor holds the indices of one-hot rows."""
+    a_idx, b_idx = not la.is_floating_point(), not lb.is_floating_point()
+    if a_idx and b_idx:
+        return (la.unsqueeze(2) == lb.unsqueeze(1)).to(dtype)
+    if a_idx:  # one-hot rows of a pick entries of b's dense left factors
         n, tb, _ = lb.shape
         return torch.gather(_f32(lb), 2, la.unsqueeze(1).expand(n, tb, la.shape[1])).transpose(1, 2)
-    if b.indexed:
-        return _left_gram(b, a, s).transpose(1, 2)
+    if b_idx:
+        return _left_gram(lb, la, dtype).transpose(1, 2)
     return torch.bmm(_f32(la), _f32(lb).transpose(1, 2))
 
 
@@ -157,9 +238,10 @@ def _inner_outer(a: Outer, b: Outer) -> torch.Tensor:
     if not cheap_ghost:
         return _inner_dense(a.materialize(), b.materialize())
     out = []
-    for s in _chunks(a.batch_size, a.steps * b.steps * 2):
-        right = torch.bmm(_f32(a.right[s]), _f32(b.right[s]).transpose(1, 2))
-        out.append((_left_gram(a, b, s) * right).sum((1, 2)))
+    for s in _chunks(a.batch_size, a.factor_temporaries() + b.factor_temporaries() + 3 * a.steps * b.steps):
+        (la, ra), (lb, rb) = a.factors(s), b.factors(s)
+        right = torch.bmm(_f32(ra), _f32(rb).transpose(1, 2))
+        out.append((_left_gram(la, lb, right.dtype) * right).sum((1, 2)))
     return torch.cat(out)
 
 
@@ -167,14 +249,14 @@ def _inner_outer_dense(a: Outer, d: torch.Tensor) -> torch.Tensor:
     """sum_t left_t^T D_i right_t per example, for a dense per-example gradient D."""
     d = d.reshape(a.batch_size, a.rows, a.cols)
     out = []
-    for s in _chunks(a.batch_size, a.steps * max(a.rows, a.cols)):
-        ds, right = _f32(d[s]), _f32(a.right[s])
+    for s in _chunks(a.batch_size, a.factor_temporaries() + 2 * a.steps * max(a.rows, a.cols)):
+        left, right = a.factors(s)
+        ds, right = _f32(d[s]), _f32(right)
         if a.indexed:
-            left = a.left[s]
             picked = torch.gather(ds, 1, left.unsqueeze(-1).expand(*left.shape, a.cols))
             out.append((picked * right).sum((1, 2)))
         else:
-            out.append((torch.bmm(_f32(a.left[s]), ds) * right).sum((1, 2)))
+            out.append((torch.bmm(_f32(left), ds) * right).sum((1, 2)))
     return torch.cat(out)
 
 

@@ -137,7 +137,7 @@ class PerExampleGradients:
                     acc += c * t.weighted_sum(w).to(dtype)
                 elif keep.any():
                     rows = keep.nonzero().squeeze(1)
-                    acc += c * _subset(t, rows).weighted_sum(w[rows]).to(dtype)
+                    acc += c * t.subset(rows).weighted_sum(w[rows]).to(dtype)
             sums.append(acc)
         return sums
 
@@ -150,12 +150,6 @@ class PerExampleGradients:
                 acc += c * t.materialize().reshape(acc.shape)
             out.append(acc)
         return out
-
-
-def _subset(c: Capture, rows: torch.Tensor) -> Capture:
-    if isinstance(c, Outer):
-        return Outer(c.left[rows], c.right[rows], c.rows, c.shape)
-    return Dense(c.materialize()[rows], c.shape)
 
 
 class PerExampleEngine:

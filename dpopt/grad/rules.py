@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpopt.grad.captures import Capture, Dense, Outer
+from dpopt.grad.captures import Capture, ConvOuter, Dense, Outer
 
 Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor, set[str]], dict[str, Capture]]
 
@@ -32,27 +32,20 @@ def _linear(module: nn.Linear, x: torch.Tensor, g: torch.Tensor, wanted: set[str
 
 def _conv(module: nn.Conv1d | nn.Conv2d, x: torch.Tensor, g: torch.Tensor, wanted: set[str]) -> dict[str, Capture]:
     b, c_out = g.shape[:2]
-    pad = module._reversed_padding_repeated_twice
-    if any(pad):
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(x, pad, mode=mode)
     kernel, stride, dilation = module.kernel_size, module.stride, module.dilation
+    if module.padding_mode == "zeros" and not isinstance(module.padding, str):
+        padding = module.padding
+    else:  # padding modes, or "same" (possibly asymmetric): pad explicitly
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        x, padding = F.pad(x, module._reversed_padding_repeated_twice, mode=mode), (0,) * len(kernel)
     if x.dim() == 3:  # Conv1d as a Conv2d of height 1
         x, g = x.unsqueeze(2), g.unsqueeze(2)
-        kernel, stride, dilation = (1, *kernel), (1, *stride), (1, *dilation)
+        kernel, stride, dilation, padding = (1, *kernel), (1, *stride), (1, *dilation), (0, *padding)
     out: dict[str, Capture] = {}
     if "weight" in wanted:
-        cols = F.unfold(x, kernel, dilation=dilation, stride=stride)  # [B, C_in * k, L]
-        positions = cols.shape[-1]
-        left = g.reshape(b, c_out, positions).transpose(1, 2)  # [B, L, C_out]
-        right = cols.transpose(1, 2)  # [B, L, C_in * k]
-        groups = module.groups
-        if groups == 1:
-            out["weight"] = Outer(left, right, c_out, module.weight.shape)
-        else:  # block-diagonal over groups: materialise per group
-            left = left.reshape(b, positions, groups, c_out // groups)
-            right = right.reshape(b, positions, groups, -1)
-            out["weight"] = Dense(torch.einsum("blgo,blgi->bgoi", left, right), module.weight.shape)
+        cap = ConvOuter(x, g, kernel, stride, dilation, padding, module.groups, module.weight.shape)
+        # with groups the gradient is block-diagonal, which the factored (ghost) form does not express
+        out["weight"] = cap if module.groups == 1 else Dense(cap.materialize(), module.weight.shape)
     if "bias" in wanted:
         out["bias"] = Dense(g.reshape(b, c_out, -1).sum(-1), (c_out,))
     return out

@@ -1,0 +1,258 @@
+"""``dpopt bench``: the same training step with non-private PyTorch, dpopt and Opacus, each system in its
+own process, timed and measured side by side.
+
+* time: median seconds per step over ``steps`` steps after ``warmup`` steps;
+* memory, ``peak_mb``: the peak of live tensor memory during one more step, like CUDA's
+  ``max_memory_allocated``: the tensors alive when the step starts (model, optimizer state, data) plus the
+  peak of the running sum of every allocation and free the profiler records during the step. It counts
+  what the step needs, independent of allocator caching and of the libraries a system imports;
+* ``rss_mb``: the process's peak resident set size over the timed steps (Linux VmHWM), for reference.
+
+Workloads: ``cnn`` — the 28x28 Tanh CNN (dpopt.models.cnn) on random images; ``bert`` — a BERT-shaped
+Hugging Face model (6 layers, hidden 384, 12 heads, intermediate 1536: MiniLM's shape, random weights) on
+random token ids. Every DP system uses noise multiplier 1 and clip norm 1 with fixed-size batches.
+Opacus gets explicit ``position_ids`` and ``token_type_ids`` on BERT (without them its hooks fail on a
+stock model); dpopt gets the stock inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SYSTEMS = ("pytorch", "dpopt", "opacus-hooks", "opacus-ghost")
+WORKLOADS = ("cnn", "bert")
+
+
+def _rss_mb(key: str) -> float:
+    return int(re.search(key + r":\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
+
+
+def _live_tensor_bytes() -> int:
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor):
+            st = obj.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+    return sum(storages.values())
+
+
+def peak_tensor_mb(step: Callable[[], None]) -> float:
+    """Peak live tensor memory (MB) while ``step`` runs: live tensors at its start plus the peak of the
+    running sum of the allocations and frees the profiler records, in time order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()
+    start = _live_tensor_bytes()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    running = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        running += event.self_cpu_memory_usage
+        peak = max(peak, running)
+    return (start + peak) / 2**20
+
+
+def _workload(name: str, batch: int, seq: int, system: str) -> tuple[nn.Module, Any, Callable]:
+    torch.manual_seed(0)
+    if name == "cnn":
+        from dpopt.models import cnn
+
+        model = cnn((1, 28, 28), 10)
+        data = (torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,)))
+        return model, data, lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none")
+    from dpopt.data.datasets import Dataset
+    from dpopt.models import minilm_random
+
+    model = minilm_random(Dataset("bench", {"labels": torch.zeros(1)}, None, 2))
+    data = {"input_ids": torch.randint(0, 30522, (batch, seq)), "attention_mask": torch.ones(batch, seq, dtype=torch.long),
+            "labels": torch.randint(0, 2, (batch,))}
+    if system.startswith("opacus"):  # the workaround Opacus needs on a stock HF BERT
+        data["position_ids"] = torch.arange(seq).expand(batch, seq).contiguous()
+        data["token_type_ids"] = torch.zeros(batch, seq, dtype=torch.long)
+
+    def loss(m, b):
+        inputs = {k: v for k, v in b.items() if k != "labels"}
+        return F.cross_entropy(m(**inputs).logits, b["labels"], reduction="none")
+
+    return model, data, loss
+
+
+def _step_fn(system: str, model: nn.Module, dataset: Any, loss: Callable) -> Callable[[], None]:
+    """One training step. Every system gathers its batch from the dataset each step, as a data loader
+    would (dpopt's sampler does it inside the step)."""
+    from dpopt.data.samplers import take
+
+    n = len(dataset[1]) if isinstance(dataset, tuple) else len(dataset["labels"])
+    index = torch.arange(n)
+    if system == "pytorch":
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def step() -> None:
+            loss(model, take(dataset, index)).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return step
+    if system == "dpopt":
+        from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
+        from dpopt.clipping import Clipping
+        from dpopt.data.samplers import FixedOrderSampler
+        from dpopt.grad import PerExampleEngine
+        from dpopt.noise.gaussian import GaussianNoise
+        from dpopt.noise.rng import SecretStream
+        from dpopt.privacy import PrivacyLedger
+
+        privatizer = Privatizer(Clipping(1.0), GaussianNoise(1.0, 1.0, SecretStream(0, "noise")),
+                                FixedOrderSampler(n, n, SecretStream(0, "sampling")), PrivacyLedger())
+        opt = build_algorithm("dp-sgd", PerExampleEngine(model, loss), privatizer, Hyperparameters(lr=0.01))
+        opt.verified = True  # the one-time self-check is not part of a training step
+        return lambda: opt.step(dataset)
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(torch.zeros(n)), batch_size=n)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mode = system.split("-")[1]
+    engine = PrivacyEngine()
+    if mode == "ghost":
+        model, opt, criterion, _ = engine.make_private(module=model, optimizer=opt, data_loader=loader,
+                                                       criterion=nn.CrossEntropyLoss(), noise_multiplier=1.0,
+                                                       max_grad_norm=1.0, poisson_sampling=False,
+                                                       grad_sample_mode="ghost")
+    else:
+        model, opt, _ = engine.make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
+                                            max_grad_norm=1.0, poisson_sampling=False, grad_sample_mode="hooks")
+        criterion = nn.CrossEntropyLoss()
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        data = take(dataset, index)
+        if isinstance(data, tuple):
+            logits, labels = model(data[0]), data[1]
+        else:
+            logits, labels = model(**{k: v for k, v in data.items() if k != "labels"}).logits, data["labels"]
+        criterion(logits, labels).backward()
+        opt.step()
+
+    return step
+
+
+def worker(system: str, workload: str, batch: int, seq: int, warmup: int, steps: int) -> dict[str, float]:
+    """Measure one system in this process."""
+    torch.set_num_threads(2)
+    model, data, loss = _workload(workload, batch, seq, system)
+    step = _step_fn(system, model, data, loss)
+    for _ in range(warmup):
+        step()
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    rss = _rss_mb("VmHWM")
+    return {"s_per_step": statistics.median(times), "peak_mb": peak_tensor_mb(step), "rss_mb": rss}
+
+
+def measure(system: str, workload: str, batch: int, seq: int = 64, warmup: int = 3, steps: int = 10,
+            timeout: float = 1800) -> dict[str, Any]:
+    """Run ``worker`` in a fresh process; a failure becomes {"error": ...}."""
+    cmd = [sys.executable, "-m", "dpopt.bench", "--worker", system, "--workload", workload, "--batch", str(batch),
+           "--seq", str(seq), "--warmup", str(warmup), "--steps", str(steps)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    if done.returncode != 0:
+        lines = [ln for ln in done.stderr.strip().splitlines() if ln.strip()]
+        return {"error": lines[-1] if lines else f"exit code {done.returncode}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def compare(workload: str, batch: int, seq: int = 64, systems: tuple[str, ...] = SYSTEMS,
+            warmup: int = 3, steps: int = 10) -> dict[str, dict[str, Any]]:
+    """All systems on one workload, with ratios to non-private PyTorch."""
+    results = {s: measure(s, workload, batch, seq, warmup, steps) for s in systems}
+    base = results.get("pytorch", {})
+    for r in results.values():
+        if "error" not in r and "error" not in base and base:
+            r["time_ratio"] = r["s_per_step"] / base["s_per_step"]
+            r["peak_ratio"] = r["peak_mb"] / base["peak_mb"]
+    return results
+
+
+def markdown(rows: list[tuple[str, dict[str, dict[str, Any]]]]) -> str:
+    lines = ["| workload | system | s/step | time / PyTorch | peak tensor MB | memory / PyTorch | peak RSS MB |",
+             "|---|---|---|---|---|---|---|"]
+    for label, results in rows:
+        for system, r in results.items():
+            if "error" in r:
+                lines.append(f"| {label} | {system} | error: {r['error'][:80]} | | | | |")
+                continue
+            ratio = lambda k: f"{r[k]:.2f}" if r.get(k) is not None else "—"  # noqa: E731
+            lines.append(f"| {label} | {system} | {r['s_per_step']:.3f} | {ratio('time_ratio')} | "
+                         f"{r['peak_mb']:.1f} | {ratio('peak_ratio')} | {r['rss_mb']:.0f} |")
+    return "\n".join(lines)
+
+
+SUITE = [("cnn", 256, 64), ("cnn", 1024, 64), ("bert", 32, 64), ("bert", 64, 64)]
+SCALING = ([("cnn", b, 64) for b in (64, 256, 1024, 2048)] + [("bert", b, 64) for b in (8, 16, 32, 64)]
+           + [("bert", 16, s) for s in (32, 64, 128, 256)])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", choices=WORKLOADS)
+    p.add_argument("--batch", type=int)
+    p.add_argument("--seq", type=int, default=64, help="sequence length (bert)")
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--suite", action="store_true", help="the issue's table: cnn 256/1024, bert 32/64 (seq 64)")
+    p.add_argument("--scaling", action="store_true", help="pytorch vs dpopt over batch size and sequence length")
+    p.add_argument("--json", action="store_true", help="print one JSON object (single workload)")
+    p.add_argument("--out", help="folder for bench.json and bench.md")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.suite or args.scaling:
+        cases = SUITE if args.suite else SCALING
+        systems = tuple(args.systems) if args.suite else ("pytorch", "dpopt")
+    elif args.workload and args.batch:
+        cases, systems = [(args.workload, args.batch, args.seq)], tuple(args.systems)
+    else:
+        raise ValueError("give --workload and --batch, or --suite, or --scaling")
+    rows = []
+    for workload, batch, seq in cases:
+        label = f"{workload} b{batch}" + (f" s{seq}" if workload == "bert" else "")
+        rows.append((label, compare(workload, batch, seq, systems, args.warmup, args.steps)))
+        if not args.json:
+            print(markdown(rows[-1:]).split("\n", 2)[-1] if len(rows) > 1 else markdown(rows[-1:]), flush=True)
+    if args.json:
+        print(json.dumps(rows[0][1] if len(rows) == 1 else {label: r for label, r in rows}))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.json").write_text(json.dumps({label: r for label, r in rows}, indent=2))
+        (out / "bench.md").write_text(markdown(rows) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--worker", choices=SYSTEMS, required=True)
+    add_arguments(p)
+    a = p.parse_args()
+    print(json.dumps(worker(a.worker, a.workload, a.batch, a.seq, a.warmup, a.steps)))
