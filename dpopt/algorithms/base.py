@@ -50,7 +50,9 @@ class Privatizer:
             sums, stats = clip_and_sum(grads, self.clipping)
         noisy = self.noise(sums, step)
         self.ledger.record(self.noise.release(self.sampler.participation))
-        return [n / self.sampler.normalizer for n in noisy], stats
+        for n in noisy:
+            n.div_(self.sampler.normalizer)
+        return noisy, stats
 
 
 class Transform(Protocol):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+from typing import Iterator
 
 import torch
 
@@ -54,15 +55,20 @@ class SecretStream:
             return _os_uniform(n)
         return torch.rand(n, generator=self.generator(step), dtype=torch.float64)
 
+    def iter_normals(self, shapes: list[torch.Size], step: int, device: torch.device | str = "cpu",
+                     dtype: torch.dtype = torch.float32) -> Iterator[torch.Tensor]:
+        """Standard normal tensors of the given shapes, all for one step, drawn in a fixed order, one at a
+        time (so a caller that consumes each before the next holds one model-sized draw at most)."""
+        g = None if self.secure else self.generator(step, device)
+        for s in shapes:
+            if g is None:
+                yield _os_normal(math.prod(s)).view(s).to(device=device, dtype=dtype)
+            else:
+                yield torch.randn(s, generator=g, device=device, dtype=dtype)
+
     def normals(self, shapes: list[torch.Size], step: int, device: torch.device | str = "cpu",
                 dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
-        """Standard normal tensors of the given shapes, all for one step, drawn in a fixed order."""
-        if self.secure:
-            sizes = [math.prod(s) for s in shapes]
-            flat = _os_normal(sum(sizes))
-            return [c.view(s).to(device=device, dtype=dtype) for c, s in zip(flat.split(sizes), shapes)]
-        g = self.generator(step, device)
-        return [torch.randn(s, generator=g, device=device, dtype=dtype) for s in shapes]
+        return list(self.iter_normals(shapes, step, device, dtype))
 
 
 def _os_uniform(n: int) -> torch.Tensor:
