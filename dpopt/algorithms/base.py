@@ -13,7 +13,7 @@ privatized), ``transforms`` (post-processing, free under DP) or the base update.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -22,6 +22,7 @@ from dpopt.data.samplers import PoissonSampler, Sampler, take
 from dpopt.grad.engine import PerExampleEngine, PerExampleGradients, batch_size_of
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.privacy.ledger import PoissonSampling, PrivacyLedger
+from dpopt.transforms.base import Transform
 
 
 @dataclass
@@ -55,14 +56,7 @@ class Privatizer:
         return noisy, stats
 
 
-class Transform(Protocol):
-    """Post-processing of the privatized gradient (e.g. a Kalman filter); carries its own state."""
-
-    def __call__(self, grads: list[torch.Tensor]) -> list[torch.Tensor]: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+Statistic = Callable[[PerExampleEngine, Any], PerExampleGradients]
 
 
 @dataclass(frozen=True)
@@ -76,9 +70,10 @@ class DPOptimizer:
     """One private first-order step per call of ``step(batch)``."""
 
     def __init__(self, engine: PerExampleEngine, privatizer: Privatizer, base: torch.optim.Optimizer,
-                 transforms: Sequence[Transform] = ()) -> None:
+                 transforms: Sequence[Transform] = (), statistic: Statistic | None = None) -> None:
         self.engine, self.privatizer, self.base = engine, privatizer, base
         self.transforms = list(transforms)
+        self._statistic = statistic
         self.steps = 0
         self.verified = False
 
@@ -87,7 +82,10 @@ class DPOptimizer:
         return self.engine.params
 
     def statistic(self, batch: Any) -> PerExampleGradients:
-        """The per-example vectors to privatize this step (DP-SGD: the gradients at the current point)."""
+        """The per-example vectors to privatize this step: by default the gradients at the current point;
+        a recipe may pass another (e.g. DiSK's two-point mixture)."""
+        if self._statistic is not None:
+            return self._statistic(self.engine, batch)
         return self.engine.gradients(batch)
 
     def step(self, data: Any) -> StepResult:
@@ -101,7 +99,11 @@ class DPOptimizer:
         g, stats = self.privatizer(grads, self.params, self.steps)
         for t in self.transforms:
             g = t(g)
+        for t in self.transforms:
+            t.before_update(self.params)
         self.update(g)
+        for t in self.transforms:
+            t.after_update(self.params)
         self.steps += 1
         loss = None if grads is None or grads.losses is None else float(grads.losses.mean())
         return StepResult(loss, stats.examples, stats.nonfinite)

@@ -3,26 +3,29 @@ torch optimizer (Abadi et al. 2016, Alg. 1; DP-Adam as in the DP-GRAPE spec's Al
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from dpopt.algorithms.base import DPOptimizer, Privatizer
 from dpopt.algorithms.registry import Hyperparameters, register
 from dpopt.grad.engine import PerExampleEngine
 
-
-@register("dp-sgd")
-def dp_sgd(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
-    base = torch.optim.SGD(engine.params, lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
-    return DPOptimizer(engine, privatizer, base)
-
-
-@register("dp-adam")
-def dp_adam(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
-    base = torch.optim.Adam(engine.params, lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay)
-    return DPOptimizer(engine, privatizer, base)
+BASES: dict[str, Callable[[list[torch.Tensor], Hyperparameters], torch.optim.Optimizer]] = {
+    "sgd": lambda params, hp: torch.optim.SGD(params, lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay),
+    "adam": lambda params, hp: torch.optim.Adam(params, lr=hp.lr, betas=hp.betas, eps=hp.eps,
+                                                weight_decay=hp.weight_decay),
+    "adamw": lambda params, hp: torch.optim.AdamW(params, lr=hp.lr, betas=hp.betas, eps=hp.eps,
+                                                  weight_decay=hp.weight_decay),
+}
 
 
-@register("dp-adamw")
-def dp_adamw(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
-    base = torch.optim.AdamW(engine.params, lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay)
-    return DPOptimizer(engine, privatizer, base)
+def _dp(base: str):
+    def recipe(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
+        return DPOptimizer(engine, privatizer, BASES[base](engine.params, hp))
+
+    return recipe
+
+
+for _name in BASES:
+    register(f"dp-{_name}")(_dp(_name))

@@ -25,6 +25,8 @@ class Hyperparameters:
     weight_decay: float = hyper(0.0, "weight decay (decoupled for dp-adamw)")
     betas: tuple[float, float] = hyper((0.9, 0.999), "Adam betas")
     eps: float = hyper(1e-8, "Adam epsilon")
+    kappa: float = hyper(0.7, "DiSK Kalman gain: weight of the new privatized gradient (disk-*)")
+    gamma: float = hyper(0.5, "DiSK extrapolation step: second point x + gamma * d (disk-*)")
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
