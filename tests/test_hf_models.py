@@ -68,14 +68,15 @@ def test_per_example_gradients_match_single_example_backward(name, strategy):
     PerExampleEngine(model, loss, strategy=strategy).verify(batch, examples=B, rtol=1e-5)
 
 
+@pytest.mark.parametrize("algorithm", ["dp-adamw", "dp-grape"])
 @pytest.mark.parametrize("name", MODELS)
-def test_dp_training_steps_run(name):
+def test_dp_training_steps_run(name, algorithm):
     model, loss, batch = build(name)
     model.train()  # dropout on, as in real training
     engine = PerExampleEngine(model, loss)
     sampler = PoissonSampler(B, 0.5, SecretStream(0, "sampling"))
     privatizer = Privatizer(Clipping(1.0), GaussianNoise(0.5, 1.0, SecretStream(0, "noise")), sampler, PrivacyLedger())
-    opt = build_algorithm("dp-adamw", engine, privatizer, Hyperparameters(lr=1e-3))
+    opt = build_algorithm(algorithm, engine, privatizer, Hyperparameters(lr=1e-3, rank=8))
     before = [p.detach().clone() for p in engine.params]
     for _ in range(3):
         opt.step(batch)

@@ -1,6 +1,6 @@
 """The named recipes. Importing this package registers all of them."""
 
-from dpopt.algorithms import disk, first_order  # noqa: F401  (registers the recipes)
+from dpopt.algorithms import disk, first_order, grape  # noqa: F401  (registers the recipes)
 from dpopt.algorithms.base import DPOptimizer, Privatizer, StepResult, Transform
 from dpopt.algorithms.registry import ALGORITHMS, Hyperparameters, build_algorithm, register
 

@@ -41,11 +41,12 @@ class Privatizer:
         if not self.sampler.normalizer > 0:
             raise ValueError(f"the batch normaliser must be > 0, got {self.sampler.normalizer}")
 
-    def __call__(self, grads: PerExampleGradients | None, like: Sequence[torch.Tensor],
+    def __call__(self, grads: PerExampleGradients | None, shapes: Sequence[torch.Size], device: torch.device,
                  step: int) -> tuple[list[torch.Tensor], ClipStats]:
-        """(sum_i clip(g_i) + N(0, sigma^2 C^2 I)) / normaliser; ``grads=None`` is an empty batch."""
+        """(sum_i clip(g_i) + N(0, sigma^2 C^2 I)) / normaliser, for statistics of the given shapes;
+        ``grads=None`` is an empty batch (noise alone)."""
         if grads is None:
-            sums = [torch.zeros_like(p, dtype=torch.float32) for p in like]
+            sums = [torch.zeros(s, device=device) for s in shapes]
             stats = ClipStats(0, 0)
         else:
             sums, stats = clip_and_sum(grads, self.clipping)
@@ -96,7 +97,7 @@ class DPOptimizer:
             self.engine.verify(batch)  # once: the engine attributes every layer's gradient correctly
             self.verified = True
         grads = self.statistic(batch) if batch_size_of(batch) > 0 else None
-        g, stats = self.privatizer(grads, self.params, self.steps)
+        g, stats = self.privatizer(grads, self.engine.shapes, self.params[0].device, self.steps)
         for t in self.transforms:
             g = t(g)
         for t in self.transforms:
@@ -109,6 +110,11 @@ class DPOptimizer:
         return StepResult(loss, stats.examples, stats.nonfinite)
 
     def update(self, grads: list[torch.Tensor]) -> None:
+        """The base update: a torch optimizer reads the gradients from ``.grad``; any other base (e.g. a
+        projected Adam, whose gradients have their own shapes) has ``apply(grads)``."""
+        if not isinstance(self.base, torch.optim.Optimizer):
+            self.base.apply(grads)
+            return
         for p, g in zip(self.params, grads):
             p.grad = g.to(p.dtype)
         self.base.step()

@@ -27,6 +27,9 @@ class Hyperparameters:
     eps: float = hyper(1e-8, "Adam epsilon")
     kappa: float = hyper(0.7, "DiSK Kalman gain: weight of the new privatized gradient (disk-*)")
     gamma: float = hyper(0.5, "DiSK extrapolation step: second point x + gamma * d (disk-*)")
+    rank: int = hyper(16, "projection rank r (dp-grape, dp-galore)")
+    subspace_every: int = hyper(100, "refresh the projection subspace every F steps (dp-grape, dp-galore)")
+    projection_seed: int = hyper(0, "public seed of DP-GRAPE's random projections (safe to publish)")
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):

@@ -83,6 +83,7 @@ class PerExampleGradients:
     def __init__(self, engine: "PerExampleEngine", batch_size: int,
                  terms: list[list[tuple[float, Capture]]], losses: torch.Tensor | None = None) -> None:
         self.engine, self.batch_size, self.terms, self.losses = engine, batch_size, terms, losses
+        self.shapes = engine.shapes
 
     # --- linear combinations -------------------------------------------------------------------
     def _combine(self, other: "PerExampleGradients", a: float, b: float) -> "PerExampleGradients":
@@ -128,9 +129,9 @@ class PerExampleGradients:
             weights = weights.unsqueeze(1).expand(-1, len(self.terms))
         keep = (weights != 0).any(1)
         sums = []
-        for j, (p, ts) in enumerate(zip(self.engine.params, self.terms)):
+        for j, (p, shape, ts) in enumerate(zip(self.engine.params, self.shapes, self.terms)):
             dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
-            acc = torch.zeros(p.shape, device=p.device, dtype=dtype)
+            acc = torch.zeros(shape, device=p.device, dtype=dtype)
             w = weights[:, j]
             for c, t in ts:
                 if keep.all():
@@ -144,8 +145,8 @@ class PerExampleGradients:
     def materialize(self) -> list[torch.Tensor]:
         """Per-example gradients [B, *shape] per parameter (for tests and small models)."""
         out = []
-        for p, ts in zip(self.engine.params, self.terms):
-            acc = torch.zeros(self.batch_size, *p.shape, device=p.device, dtype=p.dtype)
+        for p, shape, ts in zip(self.engine.params, self.shapes, self.terms):
+            acc = torch.zeros(self.batch_size, *shape, device=p.device, dtype=p.dtype)
             for c, t in ts:
                 acc += c * t.materialize().reshape(acc.shape)
             out.append(acc)
@@ -175,6 +176,15 @@ class PerExampleEngine:
         self.units: list[_Unit] = []
         self._collect_units(model)
         self.groups = self._layer_groups()
+        # An optional projection of per-example gradients (DP-GRAPE), applied to each capture in backprop:
+        # any object with ``sides`` (projected parameter indices), ``shape(i)`` and ``project(i, capture)``.
+        self.projection: Any = None
+
+    @property
+    def shapes(self) -> list[torch.Size]:
+        """The shape of each parameter's per-example statistic (projected weights have their own)."""
+        proj = self.projection
+        return [proj.shape(i) if proj is not None and i in proj.sides else p.shape for i, p in enumerate(self.params)]
 
     # --- structure ---------------------------------------------------------------------------------
     def _collect_units(self, module: nn.Module, name: str = "") -> None:
@@ -214,8 +224,9 @@ class PerExampleEngine:
         size = batch_size_of(batch)
         pick = lambda idx: tree_unflatten([t[idx] if isinstance(t, torch.Tensor) and t.dim() > 0  # noqa: E731
                                            and t.shape[0] == size else t for t in leaves], spec)
-        was_training = self.model.training
+        was_training, projection = self.model.training, self.projection
         self.model.eval()
+        self.projection = None  # attribution is checked on the unprojected gradients
         try:
             got = self.gradients(pick(slice(0, b))).materialize()
             for i in range(b):
@@ -234,6 +245,7 @@ class PerExampleEngine:
                         "cannot attribute. Use mode='vmap' or keep every layer's batch dimension first.")
         finally:
             self.model.train(was_training)
+            self.projection = projection
 
     # --- evaluation --------------------------------------------------------------------------------
     def gradients(self, batch: Any, at: Sequence[torch.Tensor] | None = None) -> PerExampleGradients:
@@ -301,7 +313,10 @@ class PerExampleEngine:
                     check_version(x, version)
                     g = g.detach() if rows in (1, b) else g.detach().reshape(b, rows // b, *g.shape[1:])
                     for name, cap in unit.rule(module, x, g, wanted).items():
-                        terms[unit.params[name]].append((1.0, self._keep(cap)))
+                        i = unit.params[name]
+                        if self.projection is not None and i in self.projection.sides:
+                            cap = self.projection.project(i, cap)
+                        terms[i].append((1.0, self._keep(cap)))
 
                 out.register_hook(on_grad)
                 return out

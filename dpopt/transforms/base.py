@@ -12,7 +12,7 @@ class Transform:
     base update: ``before_update``/``after_update`` receive the parameters around it."""
 
     def __call__(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        raise NotImplementedError
+        return grads
 
     def before_update(self, params: list[torch.Tensor]) -> None:
         pass
