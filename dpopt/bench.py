@@ -18,6 +18,7 @@ stock model); dpopt gets the stock inputs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import re
@@ -25,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,8 +34,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SYSTEMS = ("pytorch", "dpopt", "opacus-hooks", "opacus-ghost")
-WORKLOADS = ("cnn", "bert")
+SYSTEMS = ("pytorch", "dpopt", "dpopt-materialize", "opacus-hooks", "opacus-ghost", "dp-grape")
+DEFAULT_SYSTEMS = ("pytorch", "dpopt", "opacus-hooks", "opacus-ghost")
+WORKLOADS = ("cnn", "bert", "minilm")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measurement: a workload (``minilm`` = the pretrained all-MiniLM-L6-v2, ``bert`` = its shape with
+    random weights), its batch and sequence length, and the base optimizer every system uses."""
+
+    workload: str
+    batch: int
+    seq: int = 64
+    optimizer: str = "sgd"
+    rank: int = 16  # dp-grape
+
+    @property
+    def label(self) -> str:
+        seq = f" s{self.seq}" if self.workload != "cnn" else ""
+        return f"{self.workload} b{self.batch}{seq} {self.optimizer}"
 
 
 def _rss_mb(key: str) -> float:
@@ -65,18 +85,19 @@ def peak_tensor_mb(step: Callable[[], None]) -> float:
     return (start + peak) / 2**20
 
 
-def _workload(name: str, batch: int, seq: int, system: str) -> tuple[nn.Module, Any, Callable]:
+def _workload(case: Case, system: str) -> tuple[nn.Module, Any, Callable]:
     torch.manual_seed(0)
-    if name == "cnn":
+    batch, seq = case.batch, case.seq
+    if case.workload == "cnn":
         from dpopt.models import cnn
 
         model = cnn((1, 28, 28), 10)
         data = (torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,)))
         return model, data, lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none")
     from dpopt.data.datasets import Dataset
-    from dpopt.models import minilm_random
+    from dpopt.models import minilm, minilm_random
 
-    model = minilm_random(Dataset("bench", {"labels": torch.zeros(1)}, None, 2))
+    model = (minilm if case.workload == "minilm" else minilm_random)(Dataset("bench", {"labels": torch.zeros(1)}, None, 2))
     data = {"input_ids": torch.randint(0, 30522, (batch, seq)), "attention_mask": torch.ones(batch, seq, dtype=torch.long),
             "labels": torch.randint(0, 2, (batch,))}
     if system.startswith("opacus"):  # the workaround Opacus needs on a stock HF BERT
@@ -90,7 +111,11 @@ def _workload(name: str, batch: int, seq: int, system: str) -> tuple[nn.Module, 
     return model, data, loss
 
 
-def _step_fn(system: str, model: nn.Module, dataset: Any, loss: Callable) -> Callable[[], None]:
+def _optimizer(case: Case, params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.01) if case.optimizer == "sgd" else torch.optim.Adam(params, lr=1e-4)
+
+
+def _step_fn(system: str, case: Case, model: nn.Module, dataset: Any, loss: Callable) -> Callable[[], None]:
     """One training step. Every system gathers its batch from the dataset each step, as a data loader
     would (dpopt's sampler does it inside the step)."""
     from dpopt.data.samplers import take
@@ -98,7 +123,7 @@ def _step_fn(system: str, model: nn.Module, dataset: Any, loss: Callable) -> Cal
     n = len(dataset[1]) if isinstance(dataset, tuple) else len(dataset["labels"])
     index = torch.arange(n)
     if system == "pytorch":
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        opt = _optimizer(case, model.parameters())
 
         def step() -> None:
             loss(model, take(dataset, index)).mean().backward()
@@ -106,7 +131,7 @@ def _step_fn(system: str, model: nn.Module, dataset: Any, loss: Callable) -> Cal
             opt.zero_grad(set_to_none=True)
 
         return step
-    if system == "dpopt":
+    if system in ("dpopt", "dpopt-materialize", "dp-grape"):
         from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
         from dpopt.clipping import Clipping
         from dpopt.data.samplers import FixedOrderSampler
@@ -117,14 +142,16 @@ def _step_fn(system: str, model: nn.Module, dataset: Any, loss: Callable) -> Cal
 
         privatizer = Privatizer(Clipping(1.0), GaussianNoise(1.0, 1.0, SecretStream(0, "noise")),
                                 FixedOrderSampler(n, n, SecretStream(0, "sampling")), PrivacyLedger())
-        opt = build_algorithm("dp-sgd", PerExampleEngine(model, loss), privatizer, Hyperparameters(lr=0.01))
+        algorithm = "dp-grape" if system == "dp-grape" else f"dp-{case.optimizer}"
+        engine = PerExampleEngine(model, loss, strategy="materialize" if system == "dpopt-materialize" else "auto")
+        opt = build_algorithm(algorithm, engine, privatizer, Hyperparameters(lr=0.01, rank=case.rank))
         opt.verified = True  # the one-time self-check is not part of a training step
         return lambda: opt.step(dataset)
     from opacus import PrivacyEngine
     from torch.utils.data import DataLoader, TensorDataset
 
     loader = DataLoader(TensorDataset(torch.zeros(n)), batch_size=n)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt = _optimizer(case, model.parameters())
     mode = system.split("-")[1]
     engine = PrivacyEngine()
     if mode == "ghost":
@@ -150,11 +177,11 @@ def _step_fn(system: str, model: nn.Module, dataset: Any, loss: Callable) -> Cal
     return step
 
 
-def worker(system: str, workload: str, batch: int, seq: int, warmup: int, steps: int) -> dict[str, float]:
+def worker(system: str, case: Case, warmup: int, steps: int) -> dict[str, float]:
     """Measure one system in this process."""
     torch.set_num_threads(2)
-    model, data, loss = _workload(workload, batch, seq, system)
-    step = _step_fn(system, model, data, loss)
+    model, data, loss = _workload(case, system)
+    step = _step_fn(system, case, model, data, loss)
     for _ in range(warmup):
         step()
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS
@@ -167,11 +194,10 @@ def worker(system: str, workload: str, batch: int, seq: int, warmup: int, steps:
     return {"s_per_step": statistics.median(times), "peak_mb": peak_tensor_mb(step), "rss_mb": rss}
 
 
-def measure(system: str, workload: str, batch: int, seq: int = 64, warmup: int = 3, steps: int = 10,
-            timeout: float = 1800) -> dict[str, Any]:
+def measure(system: str, case: Case, warmup: int = 3, steps: int = 10, timeout: float = 3600) -> dict[str, Any]:
     """Run ``worker`` in a fresh process; a failure becomes {"error": ...}."""
-    cmd = [sys.executable, "-m", "dpopt.bench", "--worker", system, "--workload", workload, "--batch", str(batch),
-           "--seq", str(seq), "--warmup", str(warmup), "--steps", str(steps)]
+    cmd = [sys.executable, "-m", "dpopt.bench", "--worker", system, "--case", json.dumps(dataclasses.asdict(case)),
+           "--warmup", str(warmup), "--steps", str(steps)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -182,10 +208,10 @@ def measure(system: str, workload: str, batch: int, seq: int = 64, warmup: int =
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def compare(workload: str, batch: int, seq: int = 64, systems: tuple[str, ...] = SYSTEMS,
-            warmup: int = 3, steps: int = 10) -> dict[str, dict[str, Any]]:
-    """All systems on one workload, with ratios to non-private PyTorch."""
-    results = {s: measure(s, workload, batch, seq, warmup, steps) for s in systems}
+def compare(case: Case, systems: tuple[str, ...] = DEFAULT_SYSTEMS, warmup: int = 3,
+            steps: int = 10) -> dict[str, dict[str, Any]]:
+    """All systems on one case, with ratios to non-private PyTorch."""
+    results = {s: measure(s, case, warmup, steps) for s in systems}
     base = results.get("pytorch", {})
     for r in results.values():
         if "error" not in r and "error" not in base and base:
@@ -208,16 +234,18 @@ def markdown(rows: list[tuple[str, dict[str, dict[str, Any]]]]) -> str:
     return "\n".join(lines)
 
 
-SUITE = [("cnn", 256, 64), ("cnn", 1024, 64), ("bert", 32, 64), ("bert", 64, 64)]
-SCALING = ([("cnn", b, 64) for b in (64, 256, 1024, 2048)] + [("bert", b, 64) for b in (8, 16, 32, 64)]
-           + [("bert", 16, s) for s in (32, 64, 128, 256)])
+SUITE = [Case("cnn", 256), Case("cnn", 1024), Case("bert", 32), Case("bert", 64)]
+SCALING = ([Case("cnn", b) for b in (64, 256, 1024, 2048)] + [Case("bert", b) for b in (8, 16, 32, 64)]
+           + [Case("bert", 16, s) for s in (32, 64, 128, 256)])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", choices=WORKLOADS)
     p.add_argument("--batch", type=int)
-    p.add_argument("--seq", type=int, default=64, help="sequence length (bert)")
-    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    p.add_argument("--seq", type=int, default=64, help="sequence length (bert, minilm)")
+    p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd", help="base optimizer of every system")
+    p.add_argument("--rank", type=int, default=16, help="projection rank of the dp-grape system")
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(DEFAULT_SYSTEMS))
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--suite", action="store_true", help="the issue's table: cnn 256/1024, bert 32/64 (seq 64)")
@@ -231,13 +259,13 @@ def run(args: argparse.Namespace) -> int:
         cases = SUITE if args.suite else SCALING
         systems = tuple(args.systems) if args.suite else ("pytorch", "dpopt")
     elif args.workload and args.batch:
-        cases, systems = [(args.workload, args.batch, args.seq)], tuple(args.systems)
+        cases = [Case(args.workload, args.batch, args.seq, args.optimizer, args.rank)]
+        systems = tuple(args.systems)
     else:
         raise ValueError("give --workload and --batch, or --suite, or --scaling")
     rows = []
-    for workload, batch, seq in cases:
-        label = f"{workload} b{batch}" + (f" s{seq}" if workload == "bert" else "")
-        rows.append((label, compare(workload, batch, seq, systems, args.warmup, args.steps)))
+    for case in cases:
+        rows.append((case.label, compare(case, systems, args.warmup, args.steps)))
         if not args.json:
             print(markdown(rows[-1:]).split("\n", 2)[-1] if len(rows) > 1 else markdown(rows[-1:]), flush=True)
     if args.json:
@@ -253,6 +281,8 @@ def run(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--worker", choices=SYSTEMS, required=True)
-    add_arguments(p)
+    p.add_argument("--case", required=True)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
     a = p.parse_args()
-    print(json.dumps(worker(a.worker, a.workload, a.batch, a.seq, a.warmup, a.steps)))
+    print(json.dumps(worker(a.worker, Case(**json.loads(a.case)), a.warmup, a.steps)))

@@ -86,7 +86,7 @@ def test_projection_is_unbiased_and_preserves_norms_in_expectation():
     proj = RandomProjection(engine, 8, every=1, seed=0)
     g = torch.randn(30, 40)
     recon, ratio = torch.zeros_like(g), 0.0
-    draws = 400
+    draws = 200
     for step in range(draws):
         proj.step = step
         r = proj.project_gradient(0, g)
