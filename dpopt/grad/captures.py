@@ -135,9 +135,12 @@ class Outer(Capture):
         if self.indexed:
             scaled = (self.right * w.to(self.right.dtype).view(b, 1, 1)).reshape(b * t, n)
             out = self.right.new_zeros(self.rows, n).index_add_(0, self.left.reshape(-1), scaled)
-        else:
+        elif self.left.shape[-1] <= n:  # rescale the smaller factor
             left = (self.left * w.to(self.left.dtype).view(b, 1, 1)).reshape(b * t, self.rows)
             out = left.T @ self.right.reshape(b * t, n)
+        else:
+            right = (self.right * w.to(self.right.dtype).view(b, 1, 1)).reshape(b * t, n)
+            out = self.left.reshape(b * t, self.rows).T @ right
         return out.view(self.shape)
 
     def held_elements(self) -> int:
@@ -241,7 +244,7 @@ def _inner_outer(a: Outer, b: Outer) -> torch.Tensor:
     for s in _chunks(a.batch_size, a.factor_temporaries() + b.factor_temporaries() + 3 * a.steps * b.steps):
         (la, ra), (lb, rb) = a.factors(s), b.factors(s)
         right = torch.bmm(_f32(ra), _f32(rb).transpose(1, 2))
-        out.append((_left_gram(la, lb, right.dtype) * right).sum((1, 2)))
+        out.append(_pairwise_dot(_left_gram(la, lb, right.dtype), right))
     return torch.cat(out)
 
 
@@ -260,9 +263,14 @@ def _inner_outer_dense(a: Outer, d: torch.Tensor) -> torch.Tensor:
     return torch.cat(out)
 
 
-def _inner_dense(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _pairwise_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum over all but the first dimension of a * b, as one batched matrix product (no product temporary)."""
     n = a.shape[0]
-    return (_f32(a).reshape(n, -1) * _f32(b).reshape(n, -1)).sum(1)
+    return torch.bmm(a.reshape(n, 1, -1), b.reshape(n, -1, 1)).view(n)
+
+
+def _inner_dense(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return _pairwise_dot(_f32(a), _f32(b))
 
 
 def inner(a: Capture, b: Capture) -> torch.Tensor:

@@ -128,18 +128,18 @@ class PerExampleGradients:
         if weights.dim() == 1:
             weights = weights.unsqueeze(1).expand(-1, len(self.terms))
         keep = (weights != 0).any(1)
+        rows = None if bool(keep.all()) else keep.nonzero().squeeze(1)
         sums = []
         for j, (p, shape, ts) in enumerate(zip(self.engine.params, self.shapes, self.terms)):
             dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
-            acc = torch.zeros(shape, device=p.device, dtype=dtype)
-            w = weights[:, j]
-            for c, t in ts:
-                if keep.all():
-                    acc += c * t.weighted_sum(w).to(dtype)
-                elif keep.any():
-                    rows = keep.nonzero().squeeze(1)
-                    acc += c * t.subset(rows).weighted_sum(w[rows]).to(dtype)
-            sums.append(acc)
+            w = weights[:, j] if rows is None else weights[rows, j]
+            acc = None
+            for c, t in ts if rows is None or rows.numel() else []:
+                part = (t if rows is None else t.subset(rows)).weighted_sum(w).to(dtype)  # a fresh tensor
+                if c != 1.0:
+                    part.mul_(c)
+                acc = part if acc is None else acc.add_(part)
+            sums.append(torch.zeros(shape, device=p.device, dtype=dtype) if acc is None else acc.view(shape))
         return sums
 
     def materialize(self) -> list[torch.Tensor]:
