@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from dpopt.algorithms import ALGORITHMS, Hyperparameters
+from dpopt.algorithms import ALGORITHMS, NON_PRIVATE, Hyperparameters
 from dpopt.checkpoint import CheckpointError
 from dpopt.clipping import CLIP_MODES
 from dpopt.data.datasets import DATASETS, DatasetNotFound
@@ -40,7 +40,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=d.model, choices=sorted(MODELS))
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--epsilon", type=float, help=f"target epsilon (default {DEFAULT_EPSILON} unless "
-                        "--noise-multiplier is given); the noise is calibrated to it")
+                        "--noise-multiplier is given, or the algorithm is non-private: "
+                        f"{', '.join(sorted(NON_PRIVATE))}); the noise is calibrated to it")
     budget.add_argument("--noise-multiplier", type=float, help="noise std / clip norm; epsilon is then reported")
     p.add_argument("--delta", type=float, default=d.delta)
     p.add_argument("--epochs", type=_positive_int, default=d.epochs)
@@ -166,7 +167,7 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"hp"}
     values = {k: v for k, v in vars(args).items() if k in fields}
-    if values["epsilon"] is None and values["noise_multiplier"] is None:
+    if values["epsilon"] is None and values["noise_multiplier"] is None and values["algorithm"] not in NON_PRIVATE:
         values["epsilon"] = DEFAULT_EPSILON
     hp = Hyperparameters(**{f.name: tuple(v) if isinstance(v, list) else v
                             for f in dataclasses.fields(Hyperparameters) for v in [getattr(args, f.name)]})

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from dpopt.algorithms import ALGORITHMS, DPOptimizer, Hyperparameters, Privatizer, build_algorithm
+from dpopt.algorithms import ALGORITHMS, NON_PRIVATE, DPOptimizer, Hyperparameters, Privatizer, build_algorithm
 from dpopt.checkpoint import load_checkpoint, save_checkpoint
 from dpopt.clipping import Clipping
 from dpopt.data.datasets import DATASETS, Dataset, labels_of, load_dataset
@@ -61,9 +61,14 @@ class TrainConfig:
                             ("sampling", SAMPLINGS), ("per_example", MODES), ("strategy", STRATEGIES)]:
             if getattr(self, name) not in known:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(sorted(known))}")
-        if (self.epsilon is None) == (self.noise_multiplier is None):
+        if self.algorithm in NON_PRIVATE:
+            if self.epsilon is not None or self.noise_multiplier not in (None, 0.0):
+                raise ValueError(f"{self.algorithm} is not differentially private (no clipping, no noise), so it "
+                                 "takes no epsilon or noise multiplier: omit them (the run reports epsilon = inf) "
+                                 "or use a private algorithm such as dpzero")
+        elif (self.epsilon is None) == (self.noise_multiplier is None):
             raise ValueError("give exactly one of epsilon (the noise is calibrated to it) or noise_multiplier")
-        if self.epsilon is not None:
+        elif self.epsilon is not None:
             check_budget(self.epsilon, self.delta)
         elif not (math.isfinite(self.noise_multiplier) and self.noise_multiplier > 0):
             raise ValueError(f"noise multiplier must be a finite number > 0, got {self.noise_multiplier}")
@@ -140,7 +145,10 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print) -> Run:
     sampler = make_sampler(config.sampling, n, config.batch_size, SecretStream(secret_seed, "sampling"))
     total = config.epochs * sampler.steps_per_epoch
     z = config.noise_multiplier
-    if z is None:
+    if config.algorithm in NON_PRIVATE:
+        z = 0.0
+        log(f"{config.algorithm} is NOT differentially private: it releases un-noised statistics (epsilon = inf)")
+    elif z is None:
         z = noise_multiplier_for(config.epsilon, config.delta, sampler.participation, total,
                                  config.accountant, config.relation)
         log(f"calibrated noise multiplier {z:.4f} for ({config.epsilon}, {config.delta})-DP over {total} steps")

@@ -8,6 +8,7 @@ from typing import Callable
 
 from dpopt.algorithms.base import DPOptimizer, Privatizer
 from dpopt.grad.engine import PerExampleEngine
+from dpopt.grad.zeroth_order import DIRECTION_LAWS
 
 
 def hyper(default, help: str):  # noqa: A002
@@ -30,6 +31,10 @@ class Hyperparameters:
     rank: int = hyper(16, "projection rank r (dp-grape, dp-galore)")
     subspace_every: int = hyper(100, "refresh the projection subspace every F steps (dp-grape, dp-galore)")
     projection_seed: int = hyper(0, "public seed of DP-GRAPE's random projections (safe to publish)")
+    smoothing: float = hyper(1e-3, "zeroth-order smoothing lambda: losses at x +/- lambda*u (dpzero, dpgd-0th, mezo)")
+    direction: str = hyper("gaussian", "law of the zeroth-order direction u: gaussian N(0, I) or sphere of radius "
+                                       "sqrt(d) (dpzero, dpgd-0th, mezo)")
+    direction_seed: int = hyper(0, "public seed of the zeroth-order directions (dpzero, dpgd-0th, mezo; safe to publish)")
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
@@ -40,15 +45,22 @@ class Hyperparameters:
             raise ValueError(f"weight decay must be >= 0, got {self.weight_decay}")
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"Adam betas must lie in [0, 1), got {self.betas}")
+        if not (math.isfinite(self.smoothing) and self.smoothing > 0):
+            raise ValueError(f"the smoothing lambda must be a finite number > 0, got {self.smoothing}")
+        if self.direction not in DIRECTION_LAWS:
+            raise ValueError(f"unknown direction law {self.direction!r}; choose one of {', '.join(DIRECTION_LAWS)}")
 
 
 Recipe = Callable[[PerExampleEngine, Privatizer, Hyperparameters], DPOptimizer]
 ALGORITHMS: dict[str, Recipe] = {}
+NON_PRIVATE: set[str] = set()  # baselines that release without noise: no privacy target, epsilon = inf
 
 
-def register(name: str) -> Callable[[Recipe], Recipe]:
+def register(name: str, private: bool = True) -> Callable[[Recipe], Recipe]:
     def add(recipe: Recipe) -> Recipe:
         ALGORITHMS[name] = recipe
+        if not private:
+            NON_PRIVATE.add(name)
         return recipe
 
     return add

@@ -85,6 +85,10 @@ class PerExampleGradients:
         self.engine, self.batch_size, self.terms, self.losses = engine, batch_size, terms, losses
         self.shapes = engine.shapes
 
+    @property
+    def groups(self) -> list[int]:
+        return self.engine.groups
+
     # --- linear combinations -------------------------------------------------------------------
     def _combine(self, other: "PerExampleGradients", a: float, b: float) -> "PerExampleGradients":
         if other.engine is not self.engine or other.batch_size != self.batch_size:

@@ -3,12 +3,19 @@
 
 from __future__ import annotations
 
+import math
+
 from dpopt.privacy.ledger import FixedParticipation, PoissonSampling, PrivacyLedger, Relation
 
 
 def privacy_statement(ledger: PrivacyLedger, delta: float, dataset_size: int | None = None,
                       unit: str = "example") -> str:
     eps = ledger.epsilon(delta)
+    if math.isinf(eps):
+        lines = ["Privacy statement", "-----------------",
+                 "This run is NOT differentially private (epsilon = inf): it released statistics without noise."]
+        lines += [f"  - {e.steps} releases, noise multiplier {e.noise_multiplier:.4g}." for e in ledger.entries]
+        return "\n".join(lines)
     other = "rdp" if ledger.accountant == "pld" else "pld"
     try:
         eps_other: float | None = ledger.epsilon(delta, other)
