@@ -1,19 +1,22 @@
 """DPZero fine-tuning the pretrained MiniLM on Rotten Tomatoes, few-shot (DPZero Table 2 style, L259-283).
 
-Setting (paper, RoBERTa-355M: 512 examples per class, batch 64, 10,000 steps, lambda 1e-3, lr 1e-6, eps in
-{2, 6}, delta 1e-5; DP first-order methods 1,000 steps): here all-MiniLM-L6-v2 (22.7M parameters, every
-one trained) with a fresh classification head on ``rotten-tomatoes-512`` (1,024 training snippets,
-sequence 64), through ``dpopt.train.build_run``: Poisson batches, noise calibrated by the PLD accountant
-for the run's exact number of steps, the trainer's secret streams. Far fewer steps than the paper (two
-shared CPU cores). Accuracy is measured on a fixed 1,000-snippet subset of the test split every
-``--eval-every`` steps.
+Setting (paper, RoBERTa-355M: prompt-based fine-tuning from the zero-shot model, 512 examples per class,
+batch 64, 10,000 steps, lambda 1e-3, lr 1e-6, eps in {2, 6}, delta 1e-5; DP first-order methods 1,000 steps):
+here all-MiniLM-L6-v2 (22.6M parameters, every one trained) on ``rotten-tomatoes-512`` (1,024 training
+snippets, sequence 64), through ``dpopt.train.build_run``: Poisson batches, noise calibrated by the PLD
+accountant for the run's exact number of steps, the trainer's secret streams. Far fewer steps than the paper
+(two shared CPU cores). Accuracy on a fixed 1,000-snippet subset of the test split every ``--eval-every`` steps.
 
-Runs (each finished run is appended to ``text.jsonl`` and skipped when the command runs again):
-``dpzero`` at each eps, ``mezo`` (non-private, same lr), ``dp-grape`` at each eps with ``--grape-steps``
-steps (its defaults: Adam, rank 16, refresh every 100 steps). Baselines: the majority class, the untrained
-model (fresh head), and a zero-shot classifier that uses no training data: cosine similarity of MiniLM's
-mean-pooled sentence embedding with two fixed prompts. "Steps to converge": the first evaluation whose
-accuracy is within one point of the run's best.
+Models: ``minilm-prompt`` (default; the encoder as it embeds sentences, with a head initialised at the
+embeddings of "This movie is terrible." / "This movie is great.": the zero-shot classifier, the analogue of
+the paper's prompt-based start) or ``minilm`` (a fresh classification head on the pooler).
+
+``--tune LR...``: MeZO at these learning rates scored on held-out *training-split* snippets not in the
+few-shot sample (no test data). Default: ``dpzero`` at each eps, ``mezo`` (non-private, same lr),
+``dp-grape`` at each eps with ``--grape-steps`` steps (Adam, rank 16, refresh every 100 steps); each finished
+run is appended to ``text.jsonl`` and skipped when the command runs again. Baselines: the majority class and
+both models untrained (``minilm-prompt`` untrained = zero-shot). "Steps to converge": the first evaluation
+whose accuracy is within one point of the run's best.
 """
 
 from __future__ import annotations
@@ -25,45 +28,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from dpopt.algorithms import Hyperparameters
 from dpopt.data.samplers import take
 from dpopt.noise.rng import derive_seed
 from dpopt.train import TrainConfig, accuracy, build_run
 
-PROMPTS = ("This movie is terrible.", "This movie is great.")  # rotten = 0, fresh = 1
 PAPER = {"dpzero": {6.0: "92.2 ± 0.3", 2.0: "91.8 ± 0.1"}, "mezo": "92.5 ± 0.3", "zero-shot": "79.0"}  # SST-2
 
 
 def test_subset(data: dict[str, torch.Tensor], size: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(derive_seed(0, "public", "dpzero test subset"))
     return take(data, torch.randperm(len(data["labels"]), generator=g)[:size].sort().values)
-
-
-@torch.no_grad()
-def zero_shot(model, test: dict[str, torch.Tensor]) -> float:
-    """Nearest prompt by cosine similarity of mean-pooled token embeddings (how all-MiniLM-L6-v2 embeds)."""
-    from transformers import AutoTokenizer
-
-    from dpopt.data.text import MAX_LENGTH, minilm_path
-
-    encoder = model.bert.eval()
-
-    def embed(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        hidden = encoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-        mask = batch["attention_mask"].unsqueeze(2).to(hidden.dtype)
-        return F.normalize((hidden * mask).sum(1) / mask.sum(1), dim=1)
-
-    prompts = AutoTokenizer.from_pretrained(minilm_path())(list(PROMPTS), padding="max_length", truncation=True,
-                                                           max_length=MAX_LENGTH, return_tensors="pt")
-    anchors = embed(dict(prompts))
-    n = len(test["labels"])
-    correct = 0
-    for start in range(0, n, 256):
-        batch = take(test, torch.arange(start, min(n, start + 256)))
-        correct += int(((embed(batch) @ anchors.T).argmax(1) == batch["labels"]).sum())
-    return correct / n
 
 
 def held_out(size: int) -> dict[str, torch.Tensor]:
@@ -77,11 +53,11 @@ def held_out(size: int) -> dict[str, torch.Tensor]:
     return take(full, rest[torch.randperm(len(rest), generator=g)[:size]].sort().values)
 
 
-def finite_difference_scale(batch_size: int = 64) -> list[float]:
+def finite_difference_scale(model: str, batch_size: int = 64) -> list[float]:
     """Quantiles (50, 90, 99, 100 %) of |s_i| at the pretrained point on one batch: the scale to clip at."""
     from dpopt.grad.zeroth_order import Direction, finite_differences
 
-    run = build_run(TrainConfig(algorithm="mezo", dataset="rotten-tomatoes-512", model="minilm", epochs=1),
+    run = build_run(TrainConfig(algorithm="mezo", dataset="rotten-tomatoes-512", model=model, epochs=1),
                     log=lambda _: None)
     s = finite_differences(run.optimizer.engine, take(run.data.train, torch.arange(batch_size)),
                            Direction(run.optimizer.params, 0), 1e-3).values.abs()
@@ -97,7 +73,7 @@ def one_run(algorithm: str, epsilon: float | None, steps: int, args: argparse.Na
         raise ValueError(f"steps must be a multiple of the {per_epoch} steps of an epoch (calibration is per epoch)")
     hp = (Hyperparameters(lr=args.lr, smoothing=args.smoothing) if zeroth
           else Hyperparameters(lr=args.grape_lr, rank=16, subspace_every=100))
-    config = TrainConfig(algorithm=algorithm, dataset="rotten-tomatoes-512", model="minilm", epsilon=epsilon,
+    config = TrainConfig(algorithm=algorithm, dataset="rotten-tomatoes-512", model=args.model, epsilon=epsilon,
                          delta=1e-5, epochs=steps // per_epoch, batch_size=batch,
                          clip=args.clip if zeroth else args.grape_clip, seed=args.seed, hp=hp)
     run = build_run(config, log=lambda msg: print("  " + msg, flush=True))
@@ -126,6 +102,8 @@ def one_run(algorithm: str, epsilon: float | None, steps: int, args: argparse.Na
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="dpopt reproduce dpzero_text")
     p.add_argument("--steps", type=int, default=1024, help="DPZero / MeZO steps (a multiple of an epoch)")
+    p.add_argument("--model", default="minilm-prompt", choices=["minilm", "minilm-prompt"],
+                   help="MiniLM with a fresh head, or as a sentence embedder with a prompt-initialised head")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--clip", type=float, default=10.0)
@@ -151,7 +129,7 @@ def main(argv: list[str]) -> int:
     key = lambda r: (r["algorithm"], r["epsilon"], r["steps"], r["config"]["hp"]["lr"], r["config"]["clip"])  # noqa: E731
 
     if a.tune:
-        print("|s_i| quantiles 50/90/99/100%: " + json.dumps(finite_difference_scale()), flush=True)
+        print("|s_i| quantiles 50/90/99/100%: " + json.dumps(finite_difference_scale(a.model)), flush=True)
         tune = held_out(a.test_size)
         for lr in a.tune:
             a.lr = lr
@@ -174,7 +152,8 @@ def main(argv: list[str]) -> int:
             plan.append((algorithm, eps, steps))
     for algorithm, eps, steps in plan:
         zeroth = algorithm in ("dpzero", "mezo")
-        wanted = (algorithm, eps, steps, a.lr if zeroth else a.grape_lr, a.clip if zeroth else a.grape_clip)
+        wanted = (a.model, algorithm, eps, steps, a.batch_size, a.lr if zeroth else a.grape_lr,
+                  a.clip if zeroth else a.grape_clip)
         if any(key(r) == wanted for r in done):
             continue
         print(f"{algorithm} eps={eps}: {steps} steps", flush=True)
