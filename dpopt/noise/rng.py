@@ -99,6 +99,9 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(workers, thread_name_prefix="dpopt-noise")
 
 
+os.register_at_fork(after_in_child=_pool.cache_clear)  # a forked child has none of the parent's threads
+
+
 def _os_uniform(n: int) -> torch.Tensor:
     """U[0, 1) with 53 random bits each, from the OS CSPRNG."""
     words = torch.frombuffer(bytearray(os.urandom(8 * n)), dtype=torch.int64) if n else torch.empty(0, dtype=torch.int64)
