@@ -166,6 +166,10 @@ def _state(run: Run, history: list[dict[str, Any]], wall: float, cpu: float) -> 
 
 def _restore(run: Run, state: dict[str, Any]) -> None:
     """Load a checkpoint into a freshly built run; refuses one that this config does not rebuild exactly."""
+    missing = {"sampler", "rng", "cpu_time_s"} - set(state)
+    if missing:
+        raise CheckpointError(f"the checkpoint lacks {', '.join(sorted(missing))} (an older dpopt wrote it); "
+                              "start a new run")
     run.model.load_state_dict(state["model"])
     run.optimizer.load_state_dict(state["optimizer"])
     run.ledger.entries = PrivacyLedger.from_dict(state["ledger"]).entries

@@ -241,6 +241,10 @@ def test_checkpoint_holds_model_optimizer_ledger_sampler_and_rng_and_refuses_a_c
     save_checkpoint(tmp_path, state)
     with pytest.raises(CheckpointError, match="sampler"):
         resume(tmp_path, progress=False, log=quiet)
+    del state["sampler"]  # a checkpoint from before samplers were recorded
+    save_checkpoint(tmp_path, state)
+    with pytest.raises(CheckpointError, match="lacks sampler"):
+        resume(tmp_path, progress=False, log=quiet)
 
 
 def test_privacy_statement_says_whether_the_noise_is_reproducible():
