@@ -126,7 +126,8 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     log = out / "text.jsonl"
     done = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    key = lambda r: (r["algorithm"], r["epsilon"], r["steps"], r["config"]["hp"]["lr"], r["config"]["clip"])  # noqa: E731
+    key = lambda r: (r["config"]["model"], r["algorithm"], r["epsilon"], r["steps"], r["config"]["batch_size"],  # noqa: E731
+                     r["config"]["hp"]["lr"], r["config"]["clip"])
 
     if a.tune:
         print("|s_i| quantiles 50/90/99/100%: " + json.dumps(finite_difference_scale(a.model)), flush=True)
@@ -138,11 +139,14 @@ def main(argv: list[str]) -> int:
             with (out / "text_tuning.jsonl").open("a") as f:
                 f.write(json.dumps(record) + "\n")
         return 0
-    probe = build_run(TrainConfig(algorithm="mezo", dataset="rotten-tomatoes-512", model="minilm", epochs=1,
-                                  seed=a.seed), log=lambda _: None)
-    test = test_subset(probe.data.test, a.test_size)
-    baselines = {"majority": max(float(test["labels"].float().mean()), 1 - float(test["labels"].float().mean())),
-                 "untrained": accuracy(probe.model, test, 256), "zero_shot": zero_shot(probe.model, test)}
+    probes = {model: build_run(TrainConfig(algorithm="mezo", dataset="rotten-tomatoes-512", model=model, epochs=1,
+                                           seed=a.seed), log=lambda _: None) for model in ("minilm", "minilm-prompt")}
+    test = test_subset(probes["minilm"].data.test, a.test_size)
+    positive = float(test["labels"].float().mean())
+    baselines = {"majority": max(positive, 1 - positive), "test_size": a.test_size,
+                 "untrained_fresh_head": accuracy(probes["minilm"].model, test, 256),
+                 "zero_shot_prompt": accuracy(probes["minilm-prompt"].model, test, 256)}
+    del probes
     print("baselines: " + json.dumps(baselines), flush=True)
     (out / "text_baselines.json").write_text(json.dumps(baselines, indent=2))
     plan = []
