@@ -50,6 +50,8 @@ def _each_config(parallel: DataParallel, folder) -> None:
         metrics = train(config, folder / name, progress=False, log=quiet, parallel=parallel)
         torch.save(metrics, folder / f"{name}.rank{parallel.rank}.pt")
     torch.save(_secure_steps(parallel), folder / f"secure.rank{parallel.rank}.pt")
+    sampler = PoissonSampler(1000, 0.05, SecretStream(None, "sampling"))
+    torch.save([parallel.share(sampler, t) for t in range(20)], folder / f"shares.rank{parallel.rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +84,15 @@ def test_secure_mode_keeps_the_ranks_identical(two_processes):
     start = _secure_steps(None, steps=0)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert not any(torch.equal(x, s) for x, s in zip(a, start))  # and they did train
+
+
+def test_the_ranks_share_one_global_poisson_batch(two_processes):
+    """Secure mode: the shares are the two halves of ONE sorted draw (rank 0's), not halves of two draws."""
+    first, second = (torch.load(two_processes / f"shares.rank{r}.pt") for r in (0, 1))
+    for a, b in zip(first, second):
+        assert abs(len(a) - len(b)) <= 1
+        assert len(a) == 0 or len(b) == 0 or int(a.max()) < int(b.min())
+    assert sum(len(a) + len(b) for a, b in zip(first, second)) == pytest.approx(20 * 50, rel=0.2)
 
 
 def test_only_rank_zero_writes(two_processes):

@@ -125,7 +125,7 @@ class DPOptimizer:
         for t in self.transforms:
             t.after_update(self.params)
         self.steps += 1
-        losses = None if grads is None else grads.losses
+        losses = None if grads is None or grads.losses is None else grads.losses[torch.isfinite(grads.losses)]
         examples, nonfinite, loss_sum, loss_count = self.privatizer.total(
             [stats.examples, stats.nonfinite, 0.0 if losses is None else float(losses.double().sum()),
              0 if losses is None else losses.numel()])
