@@ -230,7 +230,7 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
             steps = run.optimizer.steps
             if out is not None and every and steps % every == 0 and steps % per_epoch:  # epoch ends: below
                 save_checkpoint(out, _state(run, history, time.perf_counter() - start, losses, epoch_nonfinite))
-        if epoch_nonfinite:
+        if epoch_nonfinite and (parallel is None or parallel.lead):
             warnings.warn(f"{epoch_nonfinite} examples had non-finite gradients in epoch {epoch + 1}; "
                           "they contributed zero to the update", stacklevel=2)
         nonfinite += epoch_nonfinite

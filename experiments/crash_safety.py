@@ -1,16 +1,18 @@
 """Crash safety: SIGKILL training runs at random instants, resume each, compare with uninterrupted runs.
 
 For each algorithm an uninterrupted reference run is made (``dpopt train ... --out REF``). Then each trial
-starts the same run (``--checkpoint-every N`` with N cycling through ``--every``), waits for its first
-checkpoint, kills it with SIGKILL after a delay drawn uniformly from the time the reference took from its
-first to its last checkpoint (so kills land anywhere in training), and resumes it (``dpopt train --resume DIR``) to the end. While any run is alive its checkpoint file is
-read whenever it changes (a concurrent reader sees each atomic replace). Checked:
+starts the same run (``--checkpoint-every N``, N cycling through ``--every``), waits for its first
+checkpoint, kills it with SIGKILL and resumes it (``dpopt train --resume DIR``) to the end. ``--kills``
+trials kill after a delay drawn uniformly from the time the reference took from its first to its last
+checkpoint (so kills land anywhere in training); ``--write-kills`` further trials kill the moment the
+run's temporary checkpoint file appears, after a random number of checkpoints (kills aimed at a write).
+While any run is alive its checkpoint file is read whenever it changes (a concurrent reader sees each
+atomic replace). Checked:
 
 * every checkpoint ever read, and the one a kill leaves, loads and is consistent: the ledger's steps equal
   the checkpoint's step and the optimizer's step count (a step is never lost or counted twice);
 * each resumed run ends with the reference's epsilon, ledger, per-epoch history and (bitwise) parameters;
-* a kill that landed while a checkpoint was being written (its temporary file is left behind) never
-  damaged the checkpoint.
+* a kill that cut a checkpoint write (its temporary file is left behind) never damaged the checkpoint.
 
 Every process runs with one thread (bitwise equality assumes the same thread count and the same machine).
 """
@@ -87,10 +89,13 @@ def reap(proc: Any) -> int:
     return proc.wait() if hasattr(proc, "wait") else (proc.join(), proc.exitcode)[1]
 
 
-def watch(proc: Any, folder: Path, kill_after_first: float | None = None) -> dict[str, Any]:
-    """Follow ``proc`` until it ends (or, with ``kill_after_first``, SIGKILL it that many seconds after its
-    first checkpoint was read); returns what was seen."""
+def watch(proc: Any, folder: Path, kill_after_first: float | None = None,
+          kill_in_write_after: int | None = None) -> dict[str, Any]:
+    """Follow ``proc`` until it ends; or SIGKILL it ``kill_after_first`` seconds after its first checkpoint
+    was read, or the moment its temporary checkpoint file is seen once ``kill_in_write_after`` checkpoints
+    were read (a kill aimed at a write). Returns what was seen."""
     w = CheckpointWatch(folder)
+    temp = folder / f".{CHECKPOINT}.{proc.pid}.tmp"
     started, first, last, killed = time.perf_counter(), None, None, False
     while alive(proc):
         seen = w.seen
@@ -98,11 +103,13 @@ def watch(proc: Any, folder: Path, kill_after_first: float | None = None) -> dic
         now = time.perf_counter()
         if w.seen > seen:
             first, last = first or now, now
-        if kill_after_first is not None and first is not None and now - first >= kill_after_first:
+        if (kill_after_first is not None and first is not None and now - first >= kill_after_first) or (
+                kill_in_write_after is not None and w.seen >= kill_in_write_after and temp.exists()):
             os.kill(proc.pid, signal.SIGKILL)
             killed = True
             break
-        time.sleep(0.005)
+        if kill_in_write_after is None or w.seen < kill_in_write_after:
+            time.sleep(0.005)  # aiming at a write: poll without pause
     code = reap(proc)
     w.poll()
     return {"returncode": code, "killed": killed, "checkpoints_read": w.seen, "problems": w.problems,
@@ -138,10 +145,12 @@ def same_run(folder: Path, reference: Path) -> dict[str, Any]:
     }
 
 
-def run_trial(start: Callable[[bool], Any], folder: Path, reference: Path, delay: float) -> dict[str, Any]:
+def run_trial(start: Callable[[bool], Any], folder: Path, reference: Path, delay: float | None = None,
+              in_write_after: int | None = None) -> dict[str, Any]:
     """One kill and one resume; ``start(resume)`` launches the run (or its resumption) on ``folder``."""
-    killed = watch(start(False), folder, kill_after_first=delay)
-    row = {"kill_delay_s": delay, "kill_landed": killed["killed"], "kill_watch": killed}
+    killed = watch(start(False), folder, kill_after_first=delay, kill_in_write_after=in_write_after)
+    row = {"kill_delay_s": delay, "kill_in_write_after": in_write_after, "kill_landed": killed["killed"],
+           "kill_watch": killed}
     if not killed["killed"]:
         return row
     row |= after_kill(folder)
@@ -173,7 +182,9 @@ def ok(row: dict[str, Any]) -> bool:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="dpopt reproduce crash_safety", description=__doc__.split("\n")[0])
-    p.add_argument("--kills", type=int, default=20)
+    p.add_argument("--kills", type=int, default=20, help="kills at random instants")
+    p.add_argument("--write-kills", type=int, default=5,
+                   help="further kills aimed at a checkpoint write (after a random number of checkpoints)")
     p.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(ALGORITHMS))
     p.add_argument("--every", type=int, nargs="+", default=[1, 3, 5], help="--checkpoint-every values, cycled")
     p.add_argument("--epochs", type=int, default=6)
@@ -194,31 +205,40 @@ def main(argv: list[str]) -> int:
         if seen["returncode"] != 0 or seen["problems"]:
             raise RuntimeError(f"reference run of {alg} failed: {seen}")
         references[alg] = (folder, seen["first_to_last_checkpoint_s"])
-        per_epoch = json.loads((folder / "metrics.json").read_text())["history"][0]["step"]
+        history = json.loads((folder / "metrics.json").read_text())["history"]
+        per_epoch, total = history[0]["step"], history[-1]["step"]
         print(f"reference {alg}: {seen['wall_s']:.1f} s, {seen['checkpoints_read']} checkpoints read")
     rows = []
-    for i in range(a.kills):
+    for i in range(a.kills + a.write_kills):
         alg, every = a.algorithms[i % len(a.algorithms)], a.every[i % len(a.every)]
         reference, span = references[alg]
         flags = [*base, "--algorithm", alg, *ALGORITHMS[alg], "--checkpoint-every", str(every)]
+        aimed = i >= a.kills
         for attempt in range(5):  # a kill drawn after the run's end did not land: draw again
             folder = work / f"trial{i:02d}-{attempt}"
             folder.mkdir(parents=True, exist_ok=True)
-            row = run_trial(cli_starter(folder, flags), folder, reference, rng.uniform(0.0, span))
+            timing = ({"in_write_after": rng.randint(1, total // every - 1)} if aimed
+                      else {"delay": rng.uniform(0.0, span)})
+            row = run_trial(cli_starter(folder, flags), folder, reference, **timing)
             if row["kill_landed"]:
                 break
-        row |= {"trial": i, "algorithm": alg, "checkpoint_every": every, "attempts": attempt + 1, "ok": ok(row)}
+        row |= {"trial": i, "aimed_at_a_write": aimed, "algorithm": alg, "checkpoint_every": every,
+                "attempts": attempt + 1, "ok": ok(row)}
         rows.append(row)
-        print(f"kill {i + 1:2d}/{a.kills} {alg:9s} every {every}: checkpoint step {row.get('step_at_kill')}, "
-              f"cut write {bool(row.get('temp_files_left'))}, bitwise {row.get('parameters_bitwise_equal')}, "
-              f"epsilon {row.get('epsilon')}, ok {row['ok']}")
+        print(f"kill {i + 1:2d}/{a.kills + a.write_kills} {alg:9s} every {every}{' (aimed at a write)' * aimed}: "
+              f"checkpoint step {row.get('step_at_kill')}, cut write {bool(row.get('temp_files_left'))}, "
+              f"bitwise {row.get('parameters_bitwise_equal')}, epsilon {row.get('epsilon')}, ok {row['ok']}")
+    random_rows = [r for r in rows if not r["aimed_at_a_write"]]
     summary = {
-        "kills": len(rows), "all_ok": all(r["ok"] for r in rows),
+        "kills": len(rows), "random_kills": len(random_rows), "kills_aimed_at_writes": len(rows) - len(random_rows),
+        "all_ok": all(r["ok"] for r in rows),
+        "random_kills_ok": sum(r["ok"] for r in random_rows),
         "bitwise_equal_parameters": sum(bool(r.get("parameters_bitwise_equal")) for r in rows),
         "equal_epsilon": sum(bool(r.get("epsilon_equal")) for r in rows),
         "equal_ledger": sum(bool(r.get("ledger_equal")) for r in rows),
         "equal_history": sum(bool(r.get("history_equal")) for r in rows),
         "kills_mid_epoch": sum(1 for r in rows if r.get("step_at_kill", 0) % per_epoch),
+        "kills_after_the_last_checkpoint": sum(1 for r in rows if r.get("step_at_kill") == total),
         "kills_during_a_checkpoint_write": sum(1 for r in rows if r.get("temp_files_left")),
         "checkpoints_read_while_running": sum(r["kill_watch"]["checkpoints_read"]
                                               + r.get("resume_watch", {}).get("checkpoints_read", 0) for r in rows),
