@@ -1,11 +1,12 @@
 """Crash safety: SIGKILL training runs at random instants, resume each, compare with uninterrupted runs.
 
-For each algorithm an uninterrupted reference run is made (``dpopt train ... --out REF``). Then each trial
-starts the same run (``--checkpoint-every N``, N cycling through ``--every``), waits for its first
-checkpoint, kills it with SIGKILL and resumes it (``dpopt train --resume DIR``) to the end. ``--kills``
-trials kill after a delay drawn uniformly from the time the reference took from its first to its last
-checkpoint (so kills land anywhere in training); ``--write-kills`` further trials kill the moment the
-run's temporary checkpoint file appears, after a random number of checkpoints (kills aimed at a write).
+For each configuration (algorithm, N) an uninterrupted reference run is made (``dpopt train ... --out
+REF``). Then each trial starts the same run (``--checkpoint-every N``, N cycling through ``--every``), waits
+for its first checkpoint, kills it with SIGKILL and resumes it (``dpopt train --resume DIR``) to the end.
+``--kills`` trials kill after a delay drawn uniformly from the time the reference of the same configuration
+took from its first to its last checkpoint (so kills land anywhere in training); ``--write-kills`` further
+trials kill the moment the run's temporary checkpoint file appears, after a random number of checkpoints
+(kills aimed at a write).
 While any run is alive its checkpoint file is read whenever it changes (a concurrent reader sees each
 atomic replace). Checked:
 
@@ -196,22 +197,22 @@ def main(argv: list[str]) -> int:
     work = Path(a.work).resolve()
     base = ["--dataset", "digits", "--model", "mlp", "--epochs", str(a.epochs), "--batch-size", "128",
             "--epsilon", "2", "--seed", "0"]
+    trials = [(a.algorithms[i % len(a.algorithms)], a.every[i % len(a.every)]) for i in range(a.kills + a.write_kills)]
     references = {}
-    for alg in a.algorithms:
-        folder = work / f"reference-{alg}"
+    for alg, every in sorted(set(trials), key=trials.index):  # one per configuration: its own timing
+        folder = work / f"reference-{alg}-every{every}"
         folder.mkdir(parents=True, exist_ok=True)
-        flags = [*base, "--algorithm", alg, *ALGORITHMS[alg], "--checkpoint-every", "1"]
+        flags = [*base, "--algorithm", alg, *ALGORITHMS[alg], "--checkpoint-every", str(every)]
         seen = watch(cli_starter(folder, flags)(False), folder)
         if seen["returncode"] != 0 or seen["problems"]:
             raise RuntimeError(f"reference run of {alg} failed: {seen}")
-        references[alg] = (folder, seen["first_to_last_checkpoint_s"])
+        references[alg, every] = (folder, seen["first_to_last_checkpoint_s"])
         history = json.loads((folder / "metrics.json").read_text())["history"]
         per_epoch, total = history[0]["step"], history[-1]["step"]
-        print(f"reference {alg}: {seen['wall_s']:.1f} s, {seen['checkpoints_read']} checkpoints read")
+        print(f"reference {alg} every {every}: {seen['wall_s']:.1f} s, {seen['checkpoints_read']} checkpoints read")
     rows = []
-    for i in range(a.kills + a.write_kills):
-        alg, every = a.algorithms[i % len(a.algorithms)], a.every[i % len(a.every)]
-        reference, span = references[alg]
+    for i, (alg, every) in enumerate(trials):
+        reference, span = references[alg, every]
         flags = [*base, "--algorithm", alg, *ALGORITHMS[alg], "--checkpoint-every", str(every)]
         aimed = i >= a.kills
         for attempt in range(5):  # a kill drawn after the run's end did not land: draw again
@@ -245,7 +246,7 @@ def main(argv: list[str]) -> int:
         "checkpoint_problems": sum(len(r["kill_watch"]["problems"]) + len(r.get("resume_watch", {}).get("problems", []))
                                    for r in rows) + sum(1 for r in rows if not r.get("checkpoint_ok")),
         "epsilon_by_algorithm": {alg: json.loads((f / "metrics.json").read_text())["epsilon"]
-                                 for alg, (f, _) in references.items()},
+                                 for (alg, _), (f, _) in references.items()},
     }
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
