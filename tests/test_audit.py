@@ -190,6 +190,11 @@ def test_bad_audit_spec(field, value, message):
         AuditSpec(**{field: value})
 
 
+def test_calibration_split_needs_both_kinds_of_canary():
+    with pytest.raises(ValueError, match="calibration canaries must include both present and absent ones"):
+        audit("dp-sgd", AuditSpec(canaries=100, calibration=0.005))
+
+
 def test_algorithm_without_audit_setup(monkeypatch, capsys):
     monkeypatch.setitem(ALGORITHMS, "dp-new", ALGORITHMS["dp-sgd"])
     with pytest.raises(ValueError, match="'dp-new' has no audit setup; register one with dpopt.audit.register_audit"):

@@ -22,8 +22,9 @@ claimed is the run's own ledger's at the audit's delta.
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -34,7 +35,7 @@ from dpopt.clipping import Clipping
 from dpopt.data.samplers import PoissonSampler
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.rng import SecretStream, derive_seed
-from dpopt.privacy import PrivacyLedger, check_budget, noise_multiplier_for
+from dpopt.privacy import Participation, PrivacyLedger, check_budget, noise_multiplier_for
 from dpopt.transforms.base import Transform
 
 
@@ -114,11 +115,6 @@ class AuditResult:
         """The run releases more than its ledger claims (with the stated confidence)."""
         return self.epsilon_lower > self.epsilon_claimed
 
-    def to_dict(self) -> dict:
-        return {"algorithm": self.algorithm, "epsilon_claimed": self.epsilon_claimed,
-                "epsilon_lower": self.epsilon_lower, "confidence": self.confidence, "delta": self.delta,
-                "canaries": self.canaries, "test": asdict(self.test)}
-
     def statement(self) -> str:
         verdict = ("VIOLATION: the run leaks more than its ledger claims" if self.violated
                    else "consistent with the claim")
@@ -162,10 +158,16 @@ def poisson_privatizer(spec: AuditSpec, dataset_size: int) -> Privatizer:
     """Stages 3-4 and the ledger, built as ``dpopt.train.build_run`` builds them: Poisson sampling, noise
     calibrated to the spec's budget, flat clipping, secret streams derived from the seed."""
     sampler = PoissonSampler(dataset_size, spec.sample_rate, SecretStream(spec.seed, "sampling"))
-    z = noise_multiplier_for(spec.epsilon, spec.delta, sampler.participation, spec.steps)
+    z = _calibrated(spec.epsilon, spec.delta, sampler.participation, spec.steps)
     clipping = Clipping(spec.clip)
     noise = GaussianNoise(z, clipping.sensitivity, SecretStream(spec.seed, "noise"))
     return Privatizer(clipping, noise, sampler, PrivacyLedger())
+
+
+@functools.lru_cache(maxsize=64)
+def _calibrated(epsilon: float, delta: float, participation: Participation, steps: int) -> float:
+    """``noise_multiplier_for``, remembered: setups that run the recipe many times calibrate once."""
+    return noise_multiplier_for(epsilon, delta, participation, steps)
 
 
 class ReleaseRecorder(Transform):

@@ -41,7 +41,7 @@ class GaussianCanaries:
     and z xi_t when it is out. A family with another sampler or noise overrides ``privatizer`` and ``score``.
     """
 
-    def privatizer(self, spec: AuditSpec, dataset_size: int) -> Privatizer:
+    def privatizer(self, algorithm: str, spec: AuditSpec, dataset_size: int) -> Privatizer:
         return poisson_privatizer(spec, dataset_size)
 
     def score(self, x: torch.Tensor, privatizer: Privatizer) -> torch.Tensor:
@@ -61,7 +61,7 @@ class GaussianCanaries:
         and return the releases of the (only) parameter, stacked on a last step dimension, in units of the
         clip bound; ``configure`` sees the engine after the recipe was built (a projection, say)."""
         engine = PerExampleEngine(model, loss)
-        privatizer = self.privatizer(spec, len(ids))
+        privatizer = self.privatizer(algorithm, spec, len(ids))
         optimizer = build_algorithm(algorithm, engine, privatizer, spec.hp)
         if configure is not None:
             configure(engine)
