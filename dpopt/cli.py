@@ -158,6 +158,20 @@ def _bench(args: argparse.Namespace) -> int:
     return bench.run(args)
 
 
+def _add_audit(sub: argparse._SubParsersAction) -> None:
+    from dpopt.audit import cli as audit_cli
+
+    audit_cli.add_arguments(sub.add_parser("audit", help="empirical privacy audit: a lower bound on epsilon "
+                                           "from canaries, against the epsilon the run claims"))
+
+
+@command("audit", _add_audit)
+def _audit(args: argparse.Namespace) -> int:
+    from dpopt.audit import cli as audit_cli
+
+    return audit_cli.run(args)
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="dpopt", description="Differentially private training for PyTorch.")
     sub = top.add_subparsers(dest="command")
