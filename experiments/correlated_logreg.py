@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epsilon", type=float, default=0.1)
     p.add_argument("--delta", type=float, default=1e-6)
     p.add_argument("--calibration", default="zcdp", choices=["zcdp", "exact"])
+    p.add_argument("--features", default="standardized", choices=["standardized", "raw"],
+                   help="raw: pixels rescaled to [0, 1] instead of the loader's mean/std standardisation")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--lrs", type=float, nargs="+", default=[0.1, 0.3, 1.0, 3.0])
     p.add_argument("--clips", type=float, nargs="+", default=[0.3, 1.0, 3.0])
@@ -122,9 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
 
     data = load_dataset(args.dataset)
+    if args.features == "raw":
+        lo, hi = data.train[0].min(), data.train[0].max()  # the images of pixel values 0 and 255
+        data.train = ((data.train[0] - lo) / (hi - lo), data.train[1])
+        data.test = ((data.test[0] - lo) / (hi - lo), data.test[1])
     period = math.ceil(len(data) / args.batch_size)
     steps = args.epochs * period
-    name = f"logreg_{args.dataset}_e{args.epochs}_eps{args.epsilon:g}_{args.calibration}"
+    name = (f"logreg_{args.dataset}_e{args.epochs}_eps{args.epsilon:g}_{args.calibration}"
+            + ("_raw" if args.features == "raw" else ""))
     out_file = Path(args.out) / f"{name}.json"
     results = json.loads(out_file.read_text()) if out_file.exists() else {}
     results.pop("_setup", None)

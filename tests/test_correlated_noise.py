@@ -293,3 +293,18 @@ def test_poisson_participation_in_a_stored_ledger_is_refused():
     bad = CorrelatedRelease(1.0, "tree-sum", 10, 10, PoissonSampling(0.1), 1.0, 0, 1)
     with pytest.raises(AccountingError, match="Poisson"):
         PrivacyLedger().record(bad)
+
+
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+@pytest.mark.parametrize("relation", ["add-remove", "replace-one"])
+def test_a_whole_run_is_one_gaussian_mechanism_under_both_relations(accountant, relation):
+    """The run at z equals one iid Gaussian release at z (dp-accounting's conventions for replace-one
+    included); a prefix with relative sensitivity s equals one at z / s."""
+    from dpopt.privacy import GaussianRelease
+
+    part = FixedOrderParticipation(4)
+    for s in (1.0, 0.5):
+        run = CorrelatedRelease(2.0, "mf", 12, 4, part, s, 0, 3 if s < 1 else 12)
+        single = GaussianRelease(2.0 / s, FixedParticipation(1), 1)
+        assert epsilon_of([run], 1e-5, accountant, relation) == pytest.approx(
+            epsilon_of([single], 1e-5, accountant, relation), rel=1e-9)

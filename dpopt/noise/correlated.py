@@ -97,7 +97,7 @@ class CorrelatedNoise:
         return sums
 
     def unit_noise(self, step: int, shapes: Shapes, device: torch.device | str = "cpu") -> list[torch.Tensor]:
-        """n_step at unit std (for tests and benchmarks); advances the stream like ``__call__``."""
+        """n_step at unit std (the noise operator, for tests); advances the stream like ``__call__``."""
         if step != self._next:
             self._replay(step, shapes, device)
         out = self._advance(step, shapes, device)
