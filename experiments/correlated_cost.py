@@ -24,6 +24,7 @@ from dpopt.noise import GaussianNoise, MatrixNoise, SecretStream, TreeNoise
 from dpopt.noise import factorizations as fz
 
 RESULTS = Path(__file__).resolve().parent / "results" / "correlated"
+PARTS = ("prefix_errors", "factorizations", "noise")
 
 
 def cpu(fn):
@@ -106,12 +107,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--params", type=int, default=1_000_000)
     p.add_argument("--noise-horizon", type=int, default=1000)
     p.add_argument("--noise-steps", type=int, default=100)
+    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS),
+                   help="which measurements to run (default: all three)")
     p.add_argument("--out", default=str(RESULTS / "cost.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    result = {"prefix_errors": prefix_errors(1024),
-              "factorizations": [factorization_costs(s, args.dense_iters) for s in args.steps],
-              "noise": noise_costs(args.params, args.noise_horizon, args.noise_steps)}
+    runs = {"prefix_errors": lambda: prefix_errors(1024),
+            "factorizations": lambda: [factorization_costs(s, args.dense_iters) for s in args.steps],
+            "noise": lambda: noise_costs(args.params, args.noise_horizon, args.noise_steps)}
+    result = {part: runs[part]() for part in args.parts}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

@@ -55,7 +55,8 @@ class Hyperparameters:
         if not 0.0 <= self.decay < 1.0:
             raise ValueError(f"the SRG decay c must lie in [0, 1), got {self.decay}")
         if not (math.isfinite(self.radius) and self.radius >= 0.0):
-            raise ValueError(f"the constraint radius must be a finite number >= 0 (0: unconstrained), got {self.radius}")
+            raise ValueError(f"the constraint radius must be a finite number >= 0 (0: unconstrained), "
+                             f"got {self.radius}")
         if self.workload not in WORKLOADS:
             raise ValueError(f"unknown workload {self.workload!r}; choose one of {', '.join(WORKLOADS)}")
         if self.bands < 0:

@@ -7,6 +7,6 @@ from dpopt.privacy.ledger import (AccountingError, FixedOrderParticipation, Fixe
                                   register_release)
 from dpopt.privacy.statement import privacy_statement
 
-__all__ = ["AccountingError", "CorrelatedRelease", "FixedOrderParticipation", "FixedParticipation", "GaussianRelease", "Participation", "PoissonSampling",
-           "PrivacyLedger", "Relation", "Release", "check_budget", "register_release", "epsilon_of", "noise_multiplier_for", "privacy_statement",
-           "zcdp_noise_multiplier"]
+__all__ = ["AccountingError", "CorrelatedRelease", "FixedOrderParticipation", "FixedParticipation", "GaussianRelease",
+           "Participation", "PoissonSampling", "PrivacyLedger", "Relation", "Release", "check_budget",
+           "register_release", "epsilon_of", "noise_multiplier_for", "privacy_statement", "zcdp_noise_multiplier"]

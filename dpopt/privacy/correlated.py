@@ -70,8 +70,8 @@ class CorrelatedRelease(Release):
 
     def same_mechanism(self, other: Release) -> bool:
         """Merge only a release that continues this entry's run (the next step of the same mechanism)."""
-        return (isinstance(other, CorrelatedRelease)
-                and replace(self, sensitivity=1.0, start=0, steps=0) == replace(other, sensitivity=1.0, start=0, steps=0)
+        run = dict(sensitivity=1.0, start=0, steps=0)
+        return (isinstance(other, CorrelatedRelease) and replace(self, **run) == replace(other, **run)
                 and other.start == self.start + self.steps)
 
     def merge(self, other: Release) -> "CorrelatedRelease":

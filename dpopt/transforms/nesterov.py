@@ -2,7 +2,7 @@
 implementable form of spec ``dp_srgd.md`` §3.3, and its unaccelerated variant (Sec. 4.3, L214-L220).
 
 With weights η_t = t + 1 and 1/β = ``lr``, per step t, on the SAME batch at x_t and x_{t−1} (line 3):
-    u_i = η_t ∇f(x_t; d_i) − η_{t−1} ∇f(x_{t−1}; d_i)       (t = 0: η_0 ∇f(x_0; d_i)); clipped per example
+    u_i = η_t ∇f(x_t; d_i) − η_{t−1} ∇f(x_{t−1}; d_i)      (t = 0: η_0 ∇f(x_0; d_i)); clipped per example
     Δ̃_t = (Σ_i clip(u_i) + noise_t) / B                    (the Privatizer; the noise is correlated: prefix
                                                              sums of the Δ̃ are a continual-counting release)
     S̃_t = Σ_{i≤t} Δ̃_i                                      (= η_t ∇̃_t, line 4)
