@@ -46,7 +46,8 @@ class Hyperparameters:
     smoothing: float = hyper(1e-3, "zeroth-order smoothing lambda: losses at x +/- lambda*u (dpzero, dpgd-0th, mezo)")
     direction: str = hyper("gaussian", "law of the zeroth-order direction u: gaussian N(0, I) or sphere of radius "
                                        "sqrt(d) (dpzero, dpgd-0th, mezo)")
-    direction_seed: int = hyper(0, "public seed of the zeroth-order directions (dpzero, dpgd-0th, mezo; safe to publish)")
+    direction_seed: int = hyper(0, "public seed of the zeroth-order directions (dpzero, dpgd-0th, mezo; "
+                                   "safe to publish)")
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
