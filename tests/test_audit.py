@@ -144,7 +144,7 @@ BROKEN = {
 
 
 @pytest.mark.parametrize("variant", sorted(BROKEN))
-@pytest.mark.parametrize("algorithm", ["dp-sgd", "disk-adam", "dp-grape", "dp-galore"])
+@pytest.mark.parametrize("algorithm", ["dp-sgd", "disk-adam", "dp-grape", "dp-galore", "dpzero"])
 def test_broken_variant_exceeds_its_claim(algorithm, variant, monkeypatch):
     monkeypatch.setattr(*BROKEN[variant])
     spec = spec_for(algorithm)
