@@ -30,6 +30,10 @@ class Hyperparameters:
     rank: int = hyper(16, "projection rank r (dp-grape, dp-galore)")
     subspace_every: int = hyper(100, "refresh the projection subspace every F steps (dp-grape, dp-galore)")
     projection_seed: int = hyper(0, "public seed of DP-GRAPE's random projections (safe to publish)")
+    projection_exclude: str = hyper("head,classifier,lm_head", "comma-separated module-name parts whose Linear "
+                                    "weights are not projected (dp-grape, dp-galore)")
+    reset_moments: bool = hyper(False, "zero the projected Adam moments at every subspace refresh; the paper "
+                                "keeps them (dp-grape, dp-galore)")
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
