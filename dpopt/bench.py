@@ -2,7 +2,8 @@
 own process, timed and measured side by side.
 
 * time: median seconds per step over ``steps`` steps after ``warmup`` steps (with ``--repeats R``, the
-  fastest of R such medians, the systems taking turns);
+  fastest of R such medians, the systems taking turns); ``cpu_s_per_step``: the same median in process
+  CPU time, which other processes' load disturbs far less (with ``--threads 1``);
 * memory, ``peak_mb``: the peak of live tensor memory during one more step, like CUDA's
   ``max_memory_allocated``: the tensors alive when the step starts (model, optimizer state, data) plus the
   peak of the running sum of every allocation and free the profiler records during the step. It counts
@@ -206,13 +207,15 @@ def worker(system: str, case: Case, warmup: int, steps: int) -> dict[str, float]
     for _ in range(warmup):
         step()
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
     rss = _rss_mb("VmHWM")
-    return {"s_per_step": statistics.median(times), "peak_mb": peak_tensor_mb(step), "rss_mb": rss}
+    return {"s_per_step": statistics.median(times), "cpu_s_per_step": statistics.median(cpu),
+            "peak_mb": peak_tensor_mb(step), "rss_mb": rss}
 
 
 def measure(system: str, case: Case, warmup: int = 3, steps: int = 10, timeout: float = 3600) -> dict[str, Any]:

@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--epsilons", nargs="+", type=float, default=[1.0, 2.0, 4.0, 8.0])
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=1000)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--rank", type=int, default=8)
