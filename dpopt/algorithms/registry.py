@@ -35,6 +35,10 @@ class Hyperparameters:
     rank: int = hyper(16, "projection rank r (dp-grape, dp-galore)")
     subspace_every: int = hyper(100, "refresh the projection subspace every F steps (dp-grape, dp-galore)")
     projection_seed: int = hyper(0, "public seed of DP-GRAPE's random projections (safe to publish)")
+    projection_exclude: str = hyper("head,classifier,lm_head", "comma-separated module-name parts whose Linear "
+                                    "weights are not projected (dp-grape, dp-galore)")
+    reset_moments: bool = hyper(False, "zero the projected Adam moments at every subspace refresh; the paper "
+                                "keeps them (dp-grape, dp-galore)")
     decay: float = hyper(math.exp(-2.5), "SRG decay c: statistic grad(x_t) - c grad(x_t-1), running sum "
                          "g_t = c g_t-1 + noisy increment (dp-srg-memf; 0 is dp-memf)")
     radius: float = hyper(0.0, "L2-ball constraint radius around the initial point, 0 for none "
