@@ -13,7 +13,7 @@ from scipy.stats import norm
 from torch import nn
 
 from dpopt.cli import main
-from dpopt.federated.config import FederatedConfig, build_setup, participants
+from dpopt.federated.config import FederatedConfig, build_setup, classification_problem, participants
 from dpopt.federated.partition import partition
 from dpopt.federated.privacy import (LocalNoise, client_ledger, client_stream, ledger_epsilon, noise_std_for,
                                     paper_noise_std)
@@ -262,6 +262,16 @@ def test_partitions_cover_the_data_once(split):
     assert partition(labels, 7, split, alpha=0.3, seed=1)[3].tolist() == parts[3].tolist()
 
 
+def test_a_given_partition():
+    parts = [torch.arange(0, 100), torch.arange(100, 110), torch.arange(110, 1437)]
+    cfg = FederatedConfig(dataset="digits", model="logreg", clients=3, noise_multiplier=1.0)
+    problem = classification_problem(cfg, 0, parts)
+    assert problem.client_sizes == [100, 10, 1327]
+    assert set(problem.oracle.batch(1, 3).tolist()) <= set(range(100, 110))
+    with pytest.raises(ValueError, match="needs 3 non-empty index sets"):
+        classification_problem(cfg, 0, parts[:2] + [torch.arange(0)])
+
+
 # ------------------------------------------------------------------------------------------ CLI, bad input
 
 
@@ -327,3 +337,15 @@ def test_cli_bad_input_and_missing_flower(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit):
         main(["federated", "--engine", "flower", "--noise-multiplier", "1", "--out", str(tmp_path)])
     assert re.search(r"pip install 'dpopt\[flower\]'", capsys.readouterr().err)
+
+
+def test_missing_r_data_says_how_to_get_it(monkeypatch, tmp_path):
+    from dpopt.data import tabular
+    from dpopt.data.datasets import DatasetNotFound
+
+    monkeypatch.setattr(tabular, "data_roots", lambda: [tmp_path])
+    monkeypatch.setattr(tabular, "R_LIBRARY", tmp_path)
+    with pytest.raises(DatasetNotFound, match="apt-get download r-cran-mlbench && dpkg-deb -x"):
+        tabular.tabular_arrays("sonar")
+    x, y = tabular.tabular_arrays("breast-cancer")  # bundled with scikit-learn
+    assert x.shape == (569, 30) and set(y.tolist()) == {0, 1}

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -116,12 +116,18 @@ class Setup:
     secret_seed: int | None  # the clients' secret streams (noise, batches); None: OS entropy
 
 
-def classification_problem(config: FederatedConfig, secret_seed: int | None) -> Problem:
-    """The config's dataset split over its clients, its model (initialised from the public seed), the
+def classification_problem(config: FederatedConfig, secret_seed: int | None,
+                           parts: Sequence[torch.Tensor] | None = None) -> Problem:
+    """The config's dataset split over its clients (by ``config.split``, or the given ``parts``: one index
+    tensor into the training set per client), its model (initialised from the public seed), the
     cross-entropy objective, and the test accuracy of the server model."""
     data = load_dataset(config.dataset)
     x_train, y_train = data.train
-    parts = partition(y_train, config.clients, config.split, config.dirichlet_alpha, config.seed)
+    if parts is None:
+        parts = partition(y_train, config.clients, config.split, config.dirichlet_alpha, config.seed)
+    elif len(parts) != config.clients or any(len(p) == 0 for p in parts):
+        raise ValueError(f"a given partition needs {config.clients} non-empty index sets (one per client), "
+                         f"got {[len(p) for p in parts]}")
     torch.manual_seed(derive_seed(config.seed, "public", "init"))
     model = build_model(config.model, data)
     layout = FlatLayout.of(model)

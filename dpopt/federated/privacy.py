@@ -24,7 +24,7 @@ Two calibrations for a target (ε, δ) over T rounds:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from scipy.optimize import brentq
@@ -127,33 +127,58 @@ def ledger_epsilon(ledger: PrivacyLedger, delta: float) -> float:
     return gaussian_epsilon(math.sqrt(sum(e.steps * (2.0 / e.noise_multiplier) ** 2 for e in ledger.entries)), delta)
 
 
+def epsilons_of(ledgers: list[PrivacyLedger], delta: float) -> list[float]:
+    """Each ledger's epsilon at ``delta``; equal ledgers share one computation."""
+    cache: dict[tuple, float] = {}
+    out = []
+    for ledger in ledgers:
+        key = tuple(ledger.entries)
+        if key not in cache:
+            cache[key] = ledger_epsilon(ledger, delta)
+        out.append(cache[key])
+    return out
+
+
 def client_ledger() -> PrivacyLedger:
     """A client's ledger: replace-one neighbours (an example or the client's whole dataset), PLD."""
     return PrivacyLedger(Relation.REPLACE_ONE, "pld")
 
 
 class ClientLedgers:
-    """One ledger per client, each recording the messages that client released."""
+    """One core ``PrivacyLedger`` per client, each recording the messages that client released.
+
+    A round's releases are counted and written to the ledgers (as one entry of ``steps`` releases, which
+    is how the core ledger merges repeats) whenever they are read or the mechanism changes, so recording
+    costs O(1) per round for any number of clients."""
 
     def __init__(self, clients: int) -> None:
-        self.ledgers = [client_ledger() for _ in range(clients)]
-        self._epsilons: dict[tuple, float] = {}
+        self._ledgers = [client_ledger() for _ in range(clients)]
+        self._pending = torch.zeros(clients, dtype=torch.long)
+        self._release: GaussianRelease | None = None
 
-    def record(self, client: int, release: GaussianRelease) -> None:
-        self.ledgers[client].record(release)
+    def record(self, clients: list[int], release: GaussianRelease) -> None:
+        """Each listed client released one message of this kind."""
+        if release != self._release:
+            self._flush()
+            self._release = release
+        self._pending[torch.tensor(clients, dtype=torch.long)] += 1
+
+    def _flush(self) -> None:
+        if self._release is not None:
+            for i in self._pending.nonzero().flatten().tolist():
+                self._ledgers[i].record(replace(self._release, steps=int(self._pending[i])))
+        self._pending.zero_()
+
+    @property
+    def ledgers(self) -> list[PrivacyLedger]:
+        self._flush()
+        return self._ledgers
 
     def releases(self) -> list[int]:
         return [ledger.steps for ledger in self.ledgers]
 
     def epsilons(self, delta: float) -> list[float]:
-        """Each client's epsilon at ``delta`` (clients with the same ledger share one computation)."""
-        out = []
-        for ledger in self.ledgers:
-            key = (tuple(ledger.entries), delta)
-            if key not in self._epsilons:
-                self._epsilons[key] = ledger_epsilon(ledger, delta)
-            out.append(self._epsilons[key])
-        return out
+        return epsilons_of(self.ledgers, delta)
 
     def to_dict(self) -> list[dict]:
         return [ledger.to_dict() for ledger in self.ledgers]

@@ -41,10 +41,6 @@ class FlatLayout:
     def sizes(self) -> list[int]:
         return [s.numel() for s in self.shapes]
 
-    @property
-    def dim(self) -> int:
-        return sum(self.sizes)
-
     def flatten(self, model: nn.Module) -> torch.Tensor:
         params = dict(model.named_parameters())
         return torch.cat([params[n].detach().reshape(-1) for n in self.names])

@@ -141,6 +141,3 @@ class ServerState:
             self.g = message_sum / reported if reported else torch.zeros_like(self.g)
         self.x.add_(self.g, alpha=-method.lr)
         self.round += 1
-
-    def to_dict(self) -> dict[str, object]:
-        return {"x": self.x.tolist(), "g": self.g.tolist(), "round": self.round}

@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dpopt.federated.config import Setup, drops_out, participants
-from dpopt.federated.privacy import ClientLedgers, ClientNoise
+from dpopt.federated.privacy import ClientLedgers, ClientNoise, epsilons_of
 from dpopt.federated.rules import ServerState, client_update
 from dpopt.privacy import PrivacyLedger
 
@@ -79,8 +79,7 @@ class InProcessFederation:
         update = client_update(setup.method, setup.clipping, grads,
                                None if self.v is None else self.v[index], None if self.g is None else self.g[index])
         messages = self.noise.add_to(update.delta.clone(), working, t)
-        for i in working:
-            self.ledgers.record(i, setup.noise.release())
+        self.ledgers.record(working, setup.noise.release())
         arrived = torch.tensor([faults[i] is None for i in working], dtype=torch.bool)
         report = RoundReport(t, asked, [i for i in working if faults[i] is None],
                              [i for i in asked if faults[i] == "crash"], [i for i in working if faults[i] == "lost"],
@@ -128,15 +127,14 @@ def finish(setup: Setup, server: ServerState, ledgers: list[dict], history: list
            failures: dict[str, int], wall: float, engine: str, log: Callable[[str], None]) -> dict[str, Any]:
     """The run's metrics (shared by both engines): per-client epsilon from the clients' ledgers."""
     config = setup.config
-    book = ClientLedgers(config.clients)
-    book.ledgers = [PrivacyLedger.from_dict(d) for d in ledgers]
-    eps = book.epsilons(config.delta)
+    book = [PrivacyLedger.from_dict(d) for d in ledgers]
+    eps = epsilons_of(book, config.delta)
     final = setup.problem.evaluate(server.x)
     metrics = {
         "algorithm": config.algorithm, "engine": engine, "dataset": config.dataset, "model": config.model,
         "clients": config.clients, "rounds": server.round, **final,
         "epsilon": max(eps), "epsilon_per_client": eps, "delta": config.delta,
-        "releases_per_client": book.releases(), "noise_std": setup.noise.std,
+        "releases_per_client": [ledger.steps for ledger in book], "noise_std": setup.noise.std,
         "noise_multiplier": setup.noise.noise_multiplier, "sensitivity": setup.clipping.sensitivity,
         "relation": "replace-one (one example or a client's whole dataset)",
         "accountant": "exact Gaussian composition of each client's ledger",
