@@ -159,14 +159,15 @@ class Clip21Strategy(Strategy):
         self.clipped = 0
         self.bar = bar
 
-    def discover(self, grid: Grid, timeout: float = 120.0) -> None:
-        """Wait for the n SuperNodes and learn which client (partition id) each node is."""
+    def discover(self, grid: Grid, timeout: float = 600.0) -> None:
+        """Wait for the n SuperNodes and learn which client (partition id) each node is; nodes that have not
+        answered are asked again until ``timeout``."""
         n, deadline = self.setup.config.clients, time.monotonic() + timeout
         while len(nodes := list(grid.get_node_ids())) < n:
             if time.monotonic() > deadline:
                 raise ClientFailure(f"only {len(nodes)} of {n} SuperNodes connected within {timeout:.0f} s")
             time.sleep(0.2)
-        replies, errors = self._query(grid, nodes, timeout)
+        replies, errors = self._query(grid, nodes, deadline)
         for reply in replies:
             self.nodes[int(reply.content["identity"]["partition-id"])] = reply.metadata.src_node_id
         if sorted(self.nodes) != list(range(n)):
@@ -174,12 +175,21 @@ class Clip21Strategy(Strategy):
                                 "(set --node-config 'partition-id=i num-partitions=n' on each SuperNode)"
                                 + (f"; errors: {'; '.join(errors)}" if errors else ""))
 
-    def _query(self, grid: Grid, nodes: Iterable[int], timeout: float) -> tuple[list[Message], list[str]]:
-        messages = [grid.create_message(RecordDict(), MessageType.QUERY, node, "query") for node in nodes]
-        replies = list(grid.send_and_receive(messages, timeout=timeout))
-        return [r for r in replies if not r.has_error()], [r.error.reason for r in replies if r.has_error()]
+    def _query(self, grid: Grid, nodes: Iterable[int], deadline: float) -> tuple[list[Message], list[str]]:
+        """Ask each node who it is (and for its ledger), asking again the ones that have not answered until
+        ``deadline`` (monotonic clock); stops early on error replies, which are returned."""
+        waiting, replies, errors = set(nodes), [], []
+        while waiting and not errors and time.monotonic() < deadline:
+            messages = [grid.create_message(RecordDict(), MessageType.QUERY, node, "query") for node in waiting]
+            for reply in grid.send_and_receive(messages, timeout=max(1.0, deadline - time.monotonic())):
+                if reply.has_error():
+                    errors.append(reply.error.reason)
+                elif reply.metadata.src_node_id in waiting:
+                    waiting.discard(reply.metadata.src_node_id)
+                    replies.append(reply)
+        return replies, errors
 
-    def ledgers(self, grid: Grid, timeout: float = 120.0) -> list[dict]:
+    def ledgers(self, grid: Grid, timeout: float = 600.0) -> list[dict]:
         """Every client's ledger, read from the clients themselves (they know what they released). A client
         that cannot be reached is charged one release per round it was asked (an upper bound)."""
         out = []
@@ -188,7 +198,7 @@ class Clip21Strategy(Strategy):
             if asked:
                 ledger.record(replace(self.setup.noise.release(), steps=asked))
             out.append(ledger.to_dict())
-        for reply in self._query(grid, self.nodes.values(), timeout)[0]:
+        for reply in self._query(grid, self.nodes.values(), time.monotonic() + timeout)[0]:
             identity = reply.content["identity"]
             out[int(identity["partition-id"])] = json.loads(str(identity["ledger"]))
         return out
