@@ -138,7 +138,10 @@ def plot(rows: list[dict], path: Path) -> None:
             for method in METHODS:
                 sel = sorted((r for r in rows if r["model"] == model_name and r["method"] == method),
                              key=lambda r: r["ratio"])
-                ax.semilogx([r["ratio"] for r in sel], [r[metric] for r in sel], "o-", label=method)
+                ax.plot([r["ratio"] for r in sel], [r[metric] for r in sel], "o-", label=method)
+            ax.set_xscale("log")
+            if metric == "train_loss":
+                ax.set_yscale("log")
             ax.set_title(f"{model_name}: {metric.replace('_', ' ')}", fontsize=9)
             ax.set_xlabel("noise-to-clip ratio r")
     axes[0][0].legend(fontsize=7)
