@@ -8,29 +8,38 @@ records the release in the ledger and divides by the batch normaliser, in that o
 with, so sampling and accounting cannot disagree. ``DPOptimizer.step(data)`` draws the batch from that
 sampler itself (stage 1), then runs the rest; a method changes ``statistic`` (which per-example vector is
 privatized), ``transforms`` (post-processing, free under DP) or the base update.
+
+With ``parallel`` (a ``dpopt.distributed.DataParallel``) the step is split across processes: each takes
+its share of the global batch, clips and sums it, and the sums meet between the clip and the noise stage
+(``DataParallel.sum_and_noise``): noise is added once, to the global sum, whatever its shape.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
 from dpopt.clipping import Clipping, ClipStats, clip_and_sum
 from dpopt.data.samplers import PoissonSampler, Sampler, take
 from dpopt.grad.engine import PerExampleEngine, PerExampleGradients, batch_size_of
+from dpopt.noise.correlated import CorrelatedNoise
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.privacy.ledger import PoissonSampling, PrivacyLedger
 from dpopt.transforms.base import Transform
+
+if TYPE_CHECKING:
+    from dpopt.distributed import DataParallel
 
 
 @dataclass
 class Privatizer:
     clipping: Clipping
-    noise: GaussianNoise
+    noise: GaussianNoise | CorrelatedNoise
     sampler: Sampler
     ledger: PrivacyLedger
+    parallel: DataParallel | None = None
 
     def __post_init__(self) -> None:
         if abs(self.noise.sensitivity - self.clipping.sensitivity) > 1e-12 * self.clipping.sensitivity:
@@ -40,6 +49,7 @@ class Privatizer:
                              "dpopt's PoissonSampler provides; account it with FixedParticipation instead")
         if not self.sampler.normalizer > 0:
             raise ValueError(f"the batch normaliser must be > 0, got {self.sampler.normalizer}")
+        self.noise.release(self.sampler.participation)  # a mechanism refuses a sampling it cannot account
 
     def __call__(self, grads: PerExampleGradients | None, shapes: Sequence[torch.Size], device: torch.device,
                  step: int) -> tuple[list[torch.Tensor], ClipStats]:
@@ -50,11 +60,22 @@ class Privatizer:
             stats = ClipStats(0, 0)
         else:
             sums, stats = clip_and_sum(grads, self.clipping)
-        noisy = self.noise(sums, step)
+        if self.parallel is None:
+            noisy = self.noise(sums, step)
+        else:
+            noisy = self.parallel.sum_and_noise(sums, lambda s: self.noise(s, step))
         self.ledger.record(self.noise.release(self.sampler.participation))
         for n in noisy:
             n.div_(self.sampler.normalizer)
         return noisy, stats
+
+    def batch(self, step: int) -> torch.Tensor:
+        """The indices of this process's examples in the step's batch (all of them without ``parallel``)."""
+        return self.sampler.batch(step) if self.parallel is None else self.parallel.share(self.sampler, step)
+
+    def total(self, values: Sequence[float]) -> list[float]:
+        """Per-process counts summed over all processes (diagnostics: examples, losses; not released)."""
+        return list(values) if self.parallel is None else self.parallel.total(values)
 
 
 Statistic = Callable[[PerExampleEngine, Any], PerExampleGradients]
@@ -92,7 +113,7 @@ class DPOptimizer:
     def step(self, data: Any) -> StepResult:
         """One private step on a batch that this step samples from ``data`` (a tensor or a pytree of
         tensors indexed along dimension 0, or a callable mapping an index tensor to a batch)."""
-        batch = take(data, self.privatizer.sampler.batch(self.steps))
+        batch = take(data, self.privatizer.batch(self.steps))
         if not self.verified and batch_size_of(batch) > 0:
             self.engine.verify(batch)  # once: the engine attributes every layer's gradient correctly
             self.verified = True
@@ -106,8 +127,11 @@ class DPOptimizer:
         for t in self.transforms:
             t.after_update(self.params)
         self.steps += 1
-        loss = None if grads is None or grads.losses is None else float(grads.losses.mean())
-        return StepResult(loss, stats.examples, stats.nonfinite)
+        losses = None if grads is None or grads.losses is None else grads.losses[torch.isfinite(grads.losses)]
+        examples, nonfinite, loss_sum, loss_count = self.privatizer.total(
+            [stats.examples, stats.nonfinite, 0.0 if losses is None else float(losses.double().sum()),
+             0 if losses is None else losses.numel()])
+        return StepResult(loss_sum / loss_count if loss_count else None, int(examples), int(nonfinite))
 
     def update(self, grads: list[torch.Tensor]) -> None:
         """The base update: a torch optimizer reads the gradients from ``.grad``; any other base (e.g. a
@@ -121,11 +145,14 @@ class DPOptimizer:
         self.base.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict[str, Any]:
+        noise = getattr(self.privatizer.noise, "state_dict", None)  # correlated noise's secure-mode state
         return {"steps": self.steps, "base": self.base.state_dict(),
-                "transforms": [t.state_dict() for t in self.transforms]}
+                "transforms": [t.state_dict() for t in self.transforms], "noise": noise() if noise else {}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps = state["steps"]
         self.base.load_state_dict(state["base"])
         for t, s in zip(self.transforms, state["transforms"]):
             t.load_state_dict(s)
+        if hasattr(self.privatizer.noise, "load_state_dict"):
+            self.privatizer.noise.load_state_dict(state.get("noise", {}))
