@@ -9,15 +9,15 @@ threat model) and scores the client by Σ_t ⟨c_i^t, u⟩. Clients draw their n
 streams and their gradients depend only on their own data, so the K trials are independent; a threshold
 picked on a random calibration part is evaluated on the rest, with one-sided Clopper-Pearson bounds on
 FPR and FNR (each at level α/2) turned into epsilon by the hypothesis-testing view of DP (Kairouz, Oh,
-Viswanath 2015, Thm 2.1; Jagielski, Ullman, Oprea 2020, Sec. 3).
+Viswanath 2015, Thm 2.1; Jagielski, Ullman, Oprea 2020, Sec. 3), as in `dpopt.audit.bounds`.
 """
 
 import math
 
 import pytest
 import torch
-from scipy.stats import beta
 
+from dpopt.audit import bounds
 from dpopt.federated.config import FederatedConfig, build_setup
 from dpopt.federated.privacy import ClientNoise, LocalNoise
 from dpopt.federated.problem import Problem
@@ -26,27 +26,14 @@ from dpopt.federated.simulator import InProcessFederation
 DELTA, CONFIDENCE = 1e-5, 0.95
 
 
-def clopper_pearson_upper(errors: int, trials: int, alpha: float) -> float:
-    return 1.0 if errors >= trials else float(beta.ppf(1.0 - alpha, errors + 1, trials - errors))
-
-
-def epsilon_from_rates(fpr: float, fnr: float, delta: float) -> float:
-    """The smallest epsilon for which (epsilon, delta)-DP allows a test with these error rates."""
-    bounds = [math.log((1.0 - delta - miss) / false) for false, miss in ((fpr, fnr), (fnr, fpr))
-              if false > 0.0 and 1.0 - delta - miss > 0.0]
-    return max([0.0, *bounds])
-
-
 def epsilon_lower_bound(scores: torch.Tensor, present: torch.Tensor, calibration: float = 0.2) -> float:
     """Epsilon lower bound with confidence CONFIDENCE from a threshold test ("in" if score >= t)."""
     calib = torch.rand(len(scores), generator=torch.Generator().manual_seed(0)) < calibration
-    alpha = 1.0 - CONFIDENCE
 
     def bound(part: torch.Tensor, t: float) -> float:
         s, p = scores[part], present[part]
         fp, fn = int((s[~p] >= t).sum()), int((s[p] < t).sum())
-        return epsilon_from_rates(clopper_pearson_upper(fp, int((~p).sum()), alpha / 2),
-                                  clopper_pearson_upper(fn, int(p.sum()), alpha / 2), DELTA)
+        return float(bounds.epsilon_lower_bound(fp, int((~p).sum()), fn, int(p.sum()), DELTA, CONFIDENCE))
 
     candidates = torch.quantile(scores[calib], torch.linspace(0.01, 0.99, 99, dtype=scores.dtype)).tolist()
     threshold = max(candidates, key=lambda t: bound(calib, t))
