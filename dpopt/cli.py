@@ -165,6 +165,21 @@ def _bench(args: argparse.Namespace) -> int:
     return bench.run(args)
 
 
+def _add_federated(sub: argparse._SubParsersAction) -> None:
+    from dpopt.federated import cli as federated
+
+    federated.add_arguments(sub.add_parser(
+        "federated", help="federated training with local DP: Clip-SGD, Clip21-SGD, Clip21-SGD2M",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+
+
+@command("federated", _add_federated)
+def _federated(args: argparse.Namespace) -> int:
+    from dpopt.federated import cli as federated
+
+    return federated.run(args)
+
+
 def _add_audit(sub: argparse._SubParsersAction) -> None:
     from dpopt.audit import cli as audit_cli
 
