@@ -96,6 +96,8 @@ def peak_tensor_mb(step: Callable[[], None]) -> float:
 
 
 def _workload(case: Case, system: str) -> tuple[nn.Module, Any, Callable]:
+    if case.workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {case.workload!r}; choose one of {', '.join(WORKLOADS)}")
     torch.manual_seed(0)
     batch, seq = case.batch, case.seq
     if case.workload == "cnn":
@@ -247,20 +249,22 @@ def compare(case: Case, systems: tuple[str, ...] = DEFAULT_SYSTEMS, warmup: int 
     for r in results.values():
         if "error" not in r and "error" not in base and base:
             r["time_ratio"] = r["s_per_step"] / base["s_per_step"]
+            r["cpu_ratio"] = r["cpu_s_per_step"] / base["cpu_s_per_step"]
             r["peak_ratio"] = r["peak_mb"] / base["peak_mb"]
     return results
 
 
 def markdown(rows: list[tuple[str, dict[str, dict[str, Any]]]]) -> str:
-    lines = ["| workload | system | s/step | time / PyTorch | peak tensor MB | memory / PyTorch | peak RSS MB |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| workload | system | s/step | time / PyTorch | CPU s/step | CPU time / PyTorch | peak tensor MB | "
+             "memory / PyTorch | peak RSS MB |", "|---|---|---|---|---|---|---|---|---|"]
     for label, results in rows:
         for system, r in results.items():
             if "error" in r:
-                lines.append(f"| {label} | {system} | error: {r['error'][:80]} | | | | |")
+                lines.append(f"| {label} | {system} | error: {r['error'][:80]} | | | | | | |")
                 continue
             ratio = lambda k: f"{r[k]:.2f}" if r.get(k) is not None else "—"  # noqa: E731
             lines.append(f"| {label} | {system} | {r['s_per_step']:.3f} | {ratio('time_ratio')} | "
+                         f"{r['cpu_s_per_step']:.3f} | {ratio('cpu_ratio')} | "
                          f"{r['peak_mb']:.1f} | {ratio('peak_ratio')} | {r['rss_mb']:.0f} |")
     return "\n".join(lines)
 
@@ -289,7 +293,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.suite or args.scaling:
-        cases = SUITE if args.suite else SCALING
+        cases = [dataclasses.replace(c, threads=args.threads) for c in (SUITE if args.suite else SCALING)]
         systems = tuple(args.systems) if args.suite else ("pytorch", "dpopt")
     elif args.workload and args.batch:
         cases = [Case(args.workload, args.batch, args.seq, args.optimizer, args.rank, args.threads)]

@@ -1,0 +1,25 @@
+"""`dpopt bench`: each system measured in its own process; the scripting interface prints one JSON object."""
+
+import json
+
+from dpopt import bench
+from dpopt.cli import main
+
+
+def test_bench_json_maps_each_system_to_its_measurements(capsys):
+    argv = ["bench", "--workload", "cnn", "--batch", "8", "--warmup", "1", "--steps", "2", "--threads", "1",
+            "--systems", "pytorch", "dpopt", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"pytorch", "dpopt"}
+    for r in out.values():
+        assert r["s_per_step"] > 0 and r["cpu_s_per_step"] > 0 and r["peak_mb"] > 0
+    assert out["pytorch"]["time_ratio"] == 1.0
+    assert out["dpopt"]["peak_ratio"] == out["dpopt"]["peak_mb"] / out["pytorch"]["peak_mb"]
+
+
+def test_a_system_that_cannot_run_maps_to_an_error():
+    result = bench.measure("pytorch", bench.Case("no-such-workload", 8), warmup=1, steps=1)
+    assert set(result) == {"error"} and "unknown workload" in result["error"]
+    table = bench.markdown([("x", {"pytorch": result})])
+    assert "error:" in table
