@@ -2,22 +2,82 @@
 
 For each dataset, epsilon in {0.5, 1, 2, 4, 8} (delta 1e-5), base in {DP-SGD, DP-Adam} and seed: the base
 and DiSK (kappa 0.7, gamma 0.5) with the *same* base hyper-parameters (the paper tunes the base only,
-L744). Every finished run is appended to results.jsonl and skipped when the command is run again;
-``--summarize`` writes table.md (mean ± std test accuracy) and accuracy_vs_epsilon.png.
+L744). ``--tune`` first picks each base's learning rate on a held-out split (the last 10,000 training
+images as validation, the base alone, one epsilon, a seed outside the grid) and writes tuning.json, which
+the grid then reads. Every finished run is appended to results.jsonl and skipped when the command is run
+again; ``--summarize`` writes table.md (mean ± std test accuracy) and accuracy_vs_epsilon.png.
 Paper claim (Fig. 1, L288-300): DiSK beats its base at every epsilon, with a larger gain at small epsilon.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 from pathlib import Path
 
+import torch
+
 from dpopt.algorithms import Hyperparameters
+from dpopt.data.datasets import DATASETS, Dataset, load_dataset
 from dpopt.train import TrainConfig, train
 
 BASES = {"sgd": Hyperparameters(lr=1.0, momentum=0.9), "adam": Hyperparameters(lr=2e-3)}
+LR_GRID = {"sgd": [1.0, 2.0, 4.0, 8.0, 16.0], "adam": [2e-3, 4e-3, 8e-3, 1.6e-2]}
+VALIDATION = 10_000
+TUNING_SEED = 100  # not one of the grid's seeds
+
+
+def validation_split(name: str) -> str:
+    """Register ``NAME/validation``: the first N - 10,000 training images to train on, the last 10,000 to
+    evaluate on (the test set is not looked at while tuning)."""
+    def load(download: bool) -> Dataset:
+        full = load_dataset(name, download)
+        x, y = full.train
+        n = len(y) - VALIDATION
+        return Dataset(f"{name}/validation", (x[:n], y[:n]), (x[n:], y[n:]), full.num_classes)
+
+    DATASETS[f"{name}/validation"] = load
+    return f"{name}/validation"
+
+
+def tune(a: argparse.Namespace, out: Path) -> dict[str, dict[str, float]]:
+    """Each base's learning rate, chosen by validation accuracy at one epsilon; DiSK reuses it."""
+    log = out / "tuning.jsonl"
+    rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    done = {(r["dataset"], r["base"], r["lr"]) for r in rows}
+    for dataset in a.datasets:
+        held_out = validation_split(dataset)
+        for base in a.bases:
+            for lr in LR_GRID[base]:
+                if (dataset, base, lr) in done:
+                    continue
+                hp = dataclasses.replace(BASES[base], lr=lr)
+                config = TrainConfig(algorithm=f"dp-{base}", dataset=held_out, model="cnn", epsilon=a.tune_epsilon,
+                                     delta=1e-5, epochs=a.epochs, batch_size=a.batch_size, clip=a.clip,
+                                     seed=TUNING_SEED, hp=hp)
+                m = train(config, progress=False, log=lambda s: None)
+                row = {"dataset": dataset, "base": base, "lr": lr, "epsilon": a.tune_epsilon,
+                       "validation_accuracy": m["test_accuracy"]}
+                rows.append(row)
+                with log.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                print(json.dumps(row), flush=True)
+    scores: dict[tuple[str, str], dict[float, float]] = {}
+    for r in rows:
+        scores.setdefault((r["dataset"], r["base"]), {})[r["lr"]] = r["validation_accuracy"]
+    best: dict[str, dict[str, float]] = {}
+    for (dataset, base), by_lr in scores.items():
+        best.setdefault(dataset, {})[base] = max(by_lr, key=by_lr.get)
+    (out / "tuning.json").write_text(json.dumps(best, indent=2) + "\n")
+    return best
+
+
+def hyperparameters(out: Path, dataset: str, base: str) -> Hyperparameters:
+    tuned = out / "tuning.json"
+    lr = json.loads(tuned.read_text()).get(dataset, {}).get(base) if tuned.exists() else None
+    return BASES[base] if lr is None else dataclasses.replace(BASES[base], lr=lr)
 
 
 def summarize(out: Path) -> str:
@@ -69,14 +129,20 @@ def main(argv: list[str]) -> int:
     p.add_argument("--epsilons", nargs="+", type=float, default=[0.5, 1.0, 2.0, 4.0, 8.0])
     p.add_argument("--bases", nargs="+", default=["sgd", "adam"], choices=sorted(BASES))
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--clip", type=float, default=0.1)
     p.add_argument("--out", default="runs/disk_image")
     p.add_argument("--summarize", action="store_true", help="only write the table and the plot")
+    p.add_argument("--tune", action="store_true", help="only choose the bases' learning rates (tuning.json)")
+    p.add_argument("--tune-epsilon", type=float, default=2.0)
     a = p.parse_args(argv)
+    torch.set_num_threads(1)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.tune:
+        print(json.dumps(tune(a, out), indent=2))
+        return 0
     log = out / "results.jsonl"
     if not a.summarize:
         done = {(r["dataset"], r["base"], r["epsilon"], r["method"], r["seed"])
@@ -91,11 +157,14 @@ def main(argv: list[str]) -> int:
                             algorithm = f"{'disk' if method == 'disk' else 'dp'}-{base}"
                             config = TrainConfig(algorithm=algorithm, dataset=dataset, model="cnn", epsilon=eps,
                                                  delta=1e-5, epochs=a.epochs, batch_size=a.batch_size, clip=a.clip,
-                                                 seed=seed, hp=BASES[base])
+                                                 seed=seed, hp=hyperparameters(out, dataset, base))
                             m = train(config, progress=False, log=lambda s: None)
                             row = {"dataset": dataset, "base": base, "epsilon": eps, "method": method, "seed": seed,
                                    "test_accuracy": m["test_accuracy"], "epsilon_spent": m["epsilon"],
-                                   "wall_time_s": m["wall_time_s"], "steps": m["steps"]}
+                                   "lr": config.hp.lr, "epochs": a.epochs, "batch_size": a.batch_size,
+                                   "noise_multiplier": m["noise_multiplier"], "steps": m["steps"],
+                                   "accuracy_per_epoch": [h["test_accuracy"] for h in m["history"]],
+                                   "wall_time_s": m["wall_time_s"]}
                             with log.open("a") as f:
                                 f.write(json.dumps(row) + "\n")
                             print(json.dumps(row), flush=True)
