@@ -8,7 +8,7 @@ from torch import nn
 
 from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
 from dpopt.clipping import Clipping, clip_and_sum
-from dpopt.data.samplers import FixedOrderSampler, PoissonSampler
+from dpopt.data.samplers import PoissonSampler, ShuffleSampler
 from dpopt.grad import PerExampleEngine
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.rng import SecretStream
@@ -68,22 +68,26 @@ def full_batch_grad(model, data):
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
-def noiseless(model, algorithm, **hp):
-    """No noise, clipping never active, the whole dataset each step: DiSK's optimisation recursion alone."""
-    sampler = FixedOrderSampler(N, N, SecretStream(0, "sampling"))
+def noiseless(model, algorithm, batch=N, **hp):
+    """No noise, clipping never active, fixed-size batches (the whole dataset by default): DiSK's
+    optimisation recursion alone."""
+    sampler = ShuffleSampler(N, batch, SecretStream(0, "sampling"))
     return optimizer(model, algorithm, z=0.0, clip=1e6, sampler=sampler, **hp)
 
 
 def test_gamma_minus_one_is_storm():
-    """gamma = -1, SGD: g~_t = (1-k) g~_{t-1} + k grad(x_t) + (1-k)(grad(x_t) - grad(x_{t-1})) (same batch)."""
+    """gamma = -1, SGD: g~_t = (1-k) g~_{t-1} + k grad(x_t) + (1-k)(grad(x_t) - grad(x_{t-1})), both gradients
+    on the same minibatch xi_t (shuffled batches of 6)."""
     kappa, lr = 0.3, 0.2
     model, data = problem()
-    opt = noiseless(model, "disk-sgd", lr=lr, kappa=kappa, gamma=-1.0)
+    opt = noiseless(model, "disk-sgd", batch=6, lr=lr, kappa=kappa, gamma=-1.0)
     ref, _ = problem()
     g_tilde, prev = None, None
-    for _ in range(5):
+    for step in range(6):
         opt.step(data)
-        g = full_batch_grad(ref, data)
+        idx = opt.privatizer.sampler.batch(step)
+        xi = (data[0][idx], data[1][idx])
+        g = full_batch_grad(ref, xi)
         if g_tilde is None:
             g_tilde = g
         else:
@@ -91,7 +95,7 @@ def test_gamma_minus_one_is_storm():
             with torch.no_grad():
                 for p, q in zip(ref.parameters(), prev):
                     p.copy_(q)
-            g_prev = full_batch_grad(ref, data)
+            g_prev = full_batch_grad(ref, xi)
             with torch.no_grad():
                 for p, q in zip(ref.parameters(), now):
                     p.copy_(q)
