@@ -74,27 +74,34 @@ def tune(a: argparse.Namespace, out: Path) -> dict[str, dict[str, float]]:
     return best
 
 
-def hyperparameters(out: Path, dataset: str, base: str) -> Hyperparameters:
-    tuned = out / "tuning.json"
+def hyperparameters(tuned: Path, dataset: str, base: str, kappa: float, gamma: float) -> Hyperparameters:
+    """The base's tuned learning rate (tuning.json), shared by the base and DiSK; kappa and gamma for DiSK."""
     lr = json.loads(tuned.read_text()).get(dataset, {}).get(base) if tuned.exists() else None
-    return BASES[base] if lr is None else dataclasses.replace(BASES[base], lr=lr)
+    hp = BASES[base] if lr is None else dataclasses.replace(BASES[base], lr=lr)
+    return dataclasses.replace(hp, kappa=kappa, gamma=gamma)
 
 
 def summarize(out: Path) -> str:
+    """Mean ± std over seeds; "DiSK ahead" counts the seeds in which DiSK beat its base (a paired comparison:
+    at one seed both see the same batches and the same noise draws)."""
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    groups: dict[tuple, list[float]] = {}
+    groups: dict[tuple, dict[int, float]] = {}
     for r in rows:
-        groups.setdefault((r["dataset"], r["base"], r["epsilon"], r["method"]), []).append(r["test_accuracy"])
-    lines = ["| dataset | base | epsilon | base accuracy | DiSK accuracy | gain | seeds |", "|---|---|---|---|---|---|---|"]
+        groups.setdefault((r["dataset"], r["base"], r["epsilon"], r["method"]), {})[r["seed"]] = r["test_accuracy"]
+    lines = ["| dataset | base | epsilon | base accuracy (%) | DiSK accuracy (%) | gain (points) | DiSK ahead |",
+             "|---|---|---|---|---|---|---|"]
     curves: dict[tuple, list[tuple[float, float, float]]] = {}
+    sd = lambda v: statistics.stdev(v) if len(v) > 1 else 0.0  # noqa: E731
     for (dataset, base, eps, method) in sorted(groups):
         if method != "base" or (dataset, base, eps, "disk") not in groups:
             continue
-        b, k = groups[(dataset, base, eps, "base")], groups[(dataset, base, eps, "disk")]
-        sd = lambda v: statistics.stdev(v) if len(v) > 1 else 0.0  # noqa: E731
+        by_seed_b, by_seed_k = groups[(dataset, base, eps, "base")], groups[(dataset, base, eps, "disk")]
+        seeds = sorted(set(by_seed_b) & set(by_seed_k))
+        b, k = [by_seed_b[s] for s in seeds], [by_seed_k[s] for s in seeds]
+        ahead = sum(y > x for x, y in zip(b, k))
         lines.append(f"| {dataset} | dp-{base} | {eps} | {100 * statistics.mean(b):.2f} ± {100 * sd(b):.2f} | "
                      f"{100 * statistics.mean(k):.2f} ± {100 * sd(k):.2f} | "
-                     f"{100 * (statistics.mean(k) - statistics.mean(b)):+.2f} | {min(len(b), len(k))} |")
+                     f"{100 * (statistics.mean(k) - statistics.mean(b)):+.2f} | {ahead}/{len(seeds)} |")
         for m, v in (("base", b), ("disk", k)):
             curves.setdefault((dataset, base, m), []).append((eps, statistics.mean(v), sd(v)))
     table = "\n".join(lines) + "\n"
@@ -136,6 +143,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--summarize", action="store_true", help="only write the table and the plot")
     p.add_argument("--tune", action="store_true", help="only choose the bases' learning rates (tuning.json)")
     p.add_argument("--tune-epsilon", type=float, default=2.0)
+    p.add_argument("--tuning", help="tuning.json to read (default: the one in --out)")
+    p.add_argument("--kappa", type=float, default=0.7, help="DiSK's Kalman gain")
+    p.add_argument("--gamma", type=float, default=0.5, help="DiSK's extrapolation step")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     out = Path(a.out)
@@ -144,6 +154,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps(tune(a, out), indent=2))
         return 0
     log = out / "results.jsonl"
+    tuned = Path(a.tuning) if a.tuning else out / "tuning.json"
     if not a.summarize:
         done = {(r["dataset"], r["base"], r["epsilon"], r["method"], r["seed"])
                 for r in map(json.loads, log.read_text().splitlines())} if log.exists() else set()
@@ -157,11 +168,13 @@ def main(argv: list[str]) -> int:
                             algorithm = f"{'disk' if method == 'disk' else 'dp'}-{base}"
                             config = TrainConfig(algorithm=algorithm, dataset=dataset, model="cnn", epsilon=eps,
                                                  delta=1e-5, epochs=a.epochs, batch_size=a.batch_size, clip=a.clip,
-                                                 seed=seed, hp=hyperparameters(out, dataset, base))
+                                                 seed=seed, hp=hyperparameters(tuned, dataset, base, a.kappa,
+                                                                               a.gamma))
                             m = train(config, progress=False, log=lambda s: None)
                             row = {"dataset": dataset, "base": base, "epsilon": eps, "method": method, "seed": seed,
                                    "test_accuracy": m["test_accuracy"], "epsilon_spent": m["epsilon"],
                                    "lr": config.hp.lr, "epochs": a.epochs, "batch_size": a.batch_size,
+                                   **({"kappa": a.kappa, "gamma": a.gamma} if method == "disk" else {}),
                                    "noise_multiplier": m["noise_multiplier"], "steps": m["steps"],
                                    "accuracy_per_epoch": [h["test_accuracy"] for h in m["history"]],
                                    "wall_time_s": m["wall_time_s"]}
