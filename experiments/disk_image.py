@@ -111,20 +111,24 @@ def summarize(out: Path) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    datasets = sorted({k[0] for k in curves})
-    fig, axes = plt.subplots(1, len(datasets), figsize=(5 * len(datasets), 4), squeeze=False)
-    for ax, dataset in zip(axes[0], datasets):
-        for (d, base, m), pts in sorted(curves.items()):
-            if d == dataset:
-                pts.sort()
-                ax.errorbar([p[0] for p in pts], [100 * p[1] for p in pts], [100 * p[2] for p in pts], capsize=3,
-                            marker="o", linestyle="-" if m == "disk" else "--",
-                            label=f"{'DiSK-' if m == 'disk' else 'DP-'}{base.upper() if base == 'sgd' else 'Adam'}")
-        ax.set_xscale("log")
-        ax.set_xlabel("epsilon (delta = 1e-5)")
-        ax.set_ylabel("test accuracy (%)")
-        ax.set_title(f"{dataset}, Tanh CNN")
-        ax.legend()
+    datasets, bases = sorted({k[0] for k in curves}), sorted({k[1] for k in curves}, reverse=True)
+    fig, axes = plt.subplots(len(datasets), len(bases), figsize=(4.5 * len(bases), 3.5 * len(datasets)), squeeze=False)
+    for row, dataset in zip(axes, datasets):
+        for ax, base in zip(row, bases):
+            name = "SGD" if base == "sgd" else "Adam"
+            for m, style in (("base", dict(color="0.45", linestyle="--", label=f"DP-{name}")),
+                             ("disk", dict(color="C3", linestyle="-", label=f"DiSK on DP-{name}"))):
+                pts = sorted(curves.get((dataset, base, m), []))
+                ax.errorbar([q[0] for q in pts], [100 * q[1] for q in pts], [100 * q[2] for q in pts], capsize=3,
+                            marker="o", **style)
+            ax.set_xscale("log")
+            eps = sorted({q[0] for q in curves.get((dataset, base, "base"), [])})
+            ax.set_xticks(eps, [f"{e:g}" for e in eps])
+            ax.minorticks_off()
+            ax.set_xlabel("epsilon (delta = 1e-5)")
+            ax.set_ylabel("test accuracy (%), mean ± std")
+            ax.set_title(f"{dataset}, Tanh CNN, DP-{name} base")
+            ax.legend()
     fig.tight_layout()
     fig.savefig(out / "accuracy_vs_epsilon.png", dpi=120)
     return table
