@@ -22,10 +22,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from dpopt.algorithms import ALGORITHMS, DPOptimizer, Hyperparameters, Privatizer, build_algorithm
-from dpopt.checkpoint import load_checkpoint, save_checkpoint
+from dpopt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from dpopt.clipping import Clipping
 from dpopt.data.datasets import DATASETS, Dataset, labels_of, load_dataset
-from dpopt.data.samplers import SAMPLINGS, make_sampler, take
+from dpopt.data.samplers import SAMPLINGS, make_sampler, sampler_state, take
 from dpopt.grad.engine import MODES, STRATEGIES, PerExampleEngine, check_per_example
 from dpopt.models import MODELS, build_model
 from dpopt.noise.gaussian import GaussianNoise
@@ -152,10 +152,34 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print) -> Run:
     return Run(config, data, model, optimizer, sampler, ledger, total)
 
 
-def _state(run: Run, history: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+def _state(run: Run, history: list[dict[str, Any]], wall: float, cpu: float) -> dict[str, Any]:
+    """A checkpoint: model, optimizer, ledger, sampler and RNG state. The secret streams and the sampler are
+    counter-based (their state is the config's seed, or OS entropy, plus the next step); the public torch
+    generator is re-seeded every step and is saved as well."""
+    steps = run.optimizer.steps
     return {"format": "dpopt-checkpoint-1", "config": run.config.to_dict(),
             "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
-            "ledger": run.ledger.to_dict(), "step": run.optimizer.steps, "history": history, "wall_time_s": wall}
+            "ledger": run.ledger.to_dict(), "step": steps, "sampler": sampler_state(run.sampler, steps),
+            "rng": {"torch": torch.get_rng_state(), "secret_next_step": steps, "secure": run.config.secure},
+            "history": history, "wall_time_s": wall, "cpu_time_s": cpu}
+
+
+def _restore(run: Run, state: dict[str, Any]) -> None:
+    """Load a checkpoint into a freshly built run; refuses one that this config does not rebuild exactly."""
+    missing = {"sampler", "rng", "cpu_time_s"} - set(state)
+    if missing:
+        raise CheckpointError(f"the checkpoint lacks {', '.join(sorted(missing))} (an older dpopt wrote it); "
+                              "start a new run")
+    run.model.load_state_dict(state["model"])
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.ledger.entries = PrivacyLedger.from_dict(state["ledger"]).entries
+    if run.ledger.steps != run.optimizer.steps:
+        raise CheckpointError("checkpoint is inconsistent: ledger and optimizer disagree on the step count")
+    if state["sampler"] != sampler_state(run.sampler, run.optimizer.steps):
+        raise CheckpointError(f"the checkpoint's sampler {state['sampler']} differs from the one this run builds "
+                              f"{sampler_state(run.sampler, run.optimizer.steps)}: the dataset or the sampling "
+                              "changed since the checkpoint was written; start a new run")
+    torch.set_rng_state(state["rng"]["torch"])
 
 
 def train(config: TrainConfig, out: str | Path | None = None, progress: bool = True,
@@ -163,19 +187,14 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
     """Run (or, with ``_resume_state``, continue) a private training run; returns the metrics."""
     run = build_run(config, log)
     history: list[dict[str, Any]] = []
-    wall = 0.0
+    wall = cpu = 0.0
     if _resume_state is not None:
-        run.model.load_state_dict(_resume_state["model"])
-        run.optimizer.load_state_dict(_resume_state["optimizer"])
-        restored = PrivacyLedger.from_dict(_resume_state["ledger"])
-        run.ledger.entries = restored.entries
+        _restore(run, _resume_state)
         history = list(_resume_state["history"])
-        wall = float(_resume_state["wall_time_s"])
-        if run.ledger.steps != run.optimizer.steps:
-            raise RuntimeError("checkpoint is inconsistent: ledger and optimizer disagree on the step count")
+        wall, cpu = float(_resume_state["wall_time_s"]), float(_resume_state["cpu_time_s"])
     per_epoch = run.sampler.steps_per_epoch
     nonfinite = sum(h.get("nonfinite", 0) for h in history)
-    start = time.perf_counter() - wall
+    start, cpu_start = time.perf_counter() - wall, time.process_time() - cpu
     for epoch in range(run.optimizer.steps // per_epoch, config.epochs):
         losses: list[float] = []
         epoch_nonfinite = 0
@@ -198,9 +217,9 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
         history.append({"epoch": epoch + 1, "step": run.optimizer.steps, "test_accuracy": acc, "epsilon": eps,
                         "train_loss": sum(losses) / max(1, len(losses)), "nonfinite": epoch_nonfinite})
         if out is not None:
-            save_checkpoint(out, _state(run, history, time.perf_counter() - start))
+            save_checkpoint(out, _state(run, history, time.perf_counter() - start, time.process_time() - cpu_start))
         log(f"epoch {epoch + 1}/{config.epochs}: test accuracy {acc:.4f}, epsilon {eps:.4f}")
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     metrics = {
         "algorithm": config.algorithm, "dataset": config.dataset, "model": config.model,
         "test_accuracy": history[-1]["test_accuracy"], "epsilon": run.ledger.epsilon(config.delta),
@@ -209,10 +228,10 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
         "sample_rate": (run.sampler.participation.rate if isinstance(run.sampler.participation, PoissonSampling)
                         else None),
         "accountant": config.accountant, "relation": config.relation, "nonfinite_examples": nonfinite,
-        "wall_time_s": wall, "history": history, "ledger": run.ledger.to_dict(),
+        "wall_time_s": wall, "cpu_time_s": cpu, "threads": torch.get_num_threads(), "history": history, "ledger": run.ledger.to_dict(),
         "config": config.to_dict(),
     }
-    statement = privacy_statement(run.ledger, config.delta, len(run.data))
+    statement = privacy_statement(run.ledger, config.delta, len(run.data), secure=config.secure)
     metrics["privacy_statement"] = statement
     if out is not None:
         Path(out, "metrics.json").write_text(json.dumps(metrics, indent=2))

@@ -31,5 +31,6 @@ def main(argv: list[str]) -> int:
                          hp=Hyperparameters(lr=a.lr, momentum=a.momentum))
     out = Path(a.out) / f"{a.dataset}_seed{a.seed}"
     metrics = train(config, out, progress=False)
-    print(json.dumps({k: metrics[k] for k in ("dataset", "test_accuracy", "epsilon", "steps", "wall_time_s")}))
+    keys = ("dataset", "test_accuracy", "epsilon", "steps", "wall_time_s", "cpu_time_s", "threads")
+    print(json.dumps({k: metrics[k] for k in keys}))
     return 0

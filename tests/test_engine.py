@@ -153,9 +153,25 @@ def test_probe_catches_a_loss_that_mixes_examples():
         losses = F.cross_entropy(m(b[0]), b[1], reduction="none")
         return losses / losses.sum()
 
-    with pytest.raises(ExampleMixingError):
+    with pytest.raises(ExampleMixingError, match="the loss function mixes"):
         check_per_example(model, batch_normalised, batch)
     check_per_example(model, mlp_loss, batch)  # a per-example loss passes
+
+
+class BatchCentred(nn.Module):
+    """Subtracts the batch mean: one example moves every other example's output."""
+
+    def forward(self, x):
+        return x - x.mean(0, keepdim=True)
+
+
+def test_a_module_that_mixes_examples_is_named_before_any_private_step():
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), BatchCentred(), nn.Linear(6, 2))
+    batch = (torch.randn(6, 4), torch.randint(0, 2, (6,)))
+    with pytest.raises(ExampleMixingError, match=r"layer '2' \(BatchCentred\).*GroupNorm"):
+        check_per_example(model, mlp_loss, batch)
+    with pytest.raises(ExampleMixingError, match=r"'2' \(BatchCentred\)"):  # the engine's first-batch check
+        PerExampleEngine(model, mlp_loss).verify(batch)
 
 
 def test_unknown_mode_and_strategy():

@@ -24,6 +24,26 @@ def test_seeded_stream_is_reproducible_and_separate_from_public_randomness():
     assert not torch.allclose(a, torch.randn(1000, generator=public_generator(7)))
 
 
+def test_noise_draw_does_not_depend_on_threads_or_chunking_of_the_call():
+    from dpopt.noise.rng import NOISE_CHUNK
+
+    shapes = [torch.Size([3, NOISE_CHUNK // 2]), torch.Size([7])]  # the first spans two chunks
+    stream = SecretStream(3, "noise")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = stream.normals(shapes, step=5)
+        torch.set_num_threads(2)
+        two = stream.add_normal_([torch.full(s, 1.0) for s in shapes], step=5, std=2.0)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, two):
+        assert torch.allclose(1.0 + 2.0 * a, b)
+    flat = one[0].flatten()
+    assert not torch.equal(flat[:1000], flat[NOISE_CHUNK:NOISE_CHUNK + 1000])  # chunks are independent draws
+    assert abs(float(flat.std()) - 1.0) < 0.01
+
+
 def test_secure_stream_draws_from_os_entropy():
     s = SecretStream(None, "noise")
     x, y = s.normals([torch.Size([200_000])], 0)[0], s.normals([torch.Size([200_000])], 0)[0]

@@ -1,6 +1,7 @@
 """The trainer and the CLI: metrics, exact resume, atomic checkpoints, and clear errors for bad input."""
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -13,7 +14,9 @@ from dpopt.algorithms import Hyperparameters
 from dpopt.checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, save_checkpoint
 from dpopt.cli import main
 from dpopt.data import datasets
-from dpopt.privacy import GaussianRelease, PoissonSampling, epsilon_of
+from dpopt.data.samplers import PoissonSampler
+from dpopt.noise.rng import SecretStream
+from dpopt.privacy import FixedParticipation, GaussianRelease, PoissonSampling, epsilon_of, noise_multiplier_for
 from dpopt.train import TrainConfig, resume, train
 
 QUICK = dict(epochs=2, batch_size=128, epsilon=2.0)
@@ -170,3 +173,82 @@ def test_no_warning_for_normal_runs():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         train(TrainConfig(epochs=1, epsilon=2.0), progress=False, log=quiet)
+
+
+def test_account_with_rdp_on_request(capsys):
+    assert main(["account", "--noise-multiplier", "1.1", "--sample-rate", str(256 / 60000), "--steps", "14063",
+                 "--delta", "1e-5", "--accountant", "rdp", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["epsilon"] == pytest.approx(2.60, abs=0.01)
+
+
+def test_seed_makes_a_run_reproducible(tmp_path):
+    runs = {name: train(TrainConfig(epochs=1, epsilon=2.0, seed=seed), tmp_path / name, progress=False, log=quiet)
+            for name, seed in [("a", 3), ("b", 3), ("c", 4)]}
+    models = {name: load_checkpoint(tmp_path / name)["model"] for name in runs}
+    assert all(torch.equal(models["a"][k], models["b"][k]) for k in models["a"])
+    assert not all(torch.equal(models["a"][k], models["c"][k]) for k in models["a"])
+
+
+def test_noise_multiplier_replaces_epsilon(tmp_path):
+    assert main(["train", "--noise-multiplier", "1.5", "--epochs", "1", "--out", str(tmp_path), "--no-progress"]) == 0
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert m["noise_multiplier"] == 1.5 and m["config"]["epsilon"] is None
+    assert m["epsilon"] == pytest.approx(epsilon_of([GaussianRelease(1.5, PoissonSampling(128 / 1437), m["steps"])],
+                                                    1e-5))
+
+
+@pytest.mark.parametrize("sampling", ["shuffle", "fixed"])
+def test_shuffled_and_fixed_batches_are_accounted_without_amplification(sampling):
+    m = train(TrainConfig(epochs=2, epsilon=2.0, sampling=sampling), progress=False, log=quiet)
+    period = -(-1437 // 128)
+    assert m["steps"] == 2 * period and m["sample_rate"] is None
+    assert m["ledger"]["entries"] == [GaussianRelease(m["noise_multiplier"], FixedParticipation(period),
+                                                      m["steps"]).to_dict()]
+    assert 0.99 * 2.0 <= m["epsilon"] <= 2.0
+    poisson_z = noise_multiplier_for(2.0, 1e-5, PoissonSampling(128 / 1437), m["steps"])
+    assert m["noise_multiplier"] > 2 * poisson_z, "no amplification may be assumed"
+
+
+def test_nonfinite_gradients_in_training_contribute_zero_warn_and_are_counted(monkeypatch):
+    def digits_with_a_nan(download=False):
+        data = datasets.digits()
+        data.train[0][-1, 0, 3, 3] = float("nan")  # the last example: never in the probes of the first batch
+        return data
+
+    monkeypatch.setitem(datasets.DATASETS, "digits", digits_with_a_nan)
+    config = TrainConfig(epochs=2, epsilon=2.0)
+    with pytest.warns(UserWarning, match="non-finite gradients"):
+        m = train(config, progress=False, log=quiet)
+    sampler = PoissonSampler.with_batch_size(1437, 128, SecretStream(config.seed, "sampling"))
+    sampled = sum(int((sampler.batch(t) == 1436).any()) for t in range(m["steps"]))
+    assert m["nonfinite_examples"] == sampled > 0
+    assert math.isfinite(m["history"][-1]["test_accuracy"]) and m["test_accuracy"] > 0.5
+
+
+def test_checkpoint_holds_model_optimizer_ledger_sampler_and_rng_and_refuses_a_changed_sampler(tmp_path):
+    train(TrainConfig(epochs=2, epsilon=2.0, algorithm="dp-adam", hp=Hyperparameters(lr=0.01)), tmp_path,
+          progress=False, log=quiet)
+    state = load_checkpoint(tmp_path)
+    assert {"model", "optimizer", "ledger", "sampler", "rng", "config", "step"} <= set(state)
+    assert state["optimizer"]["base"]["state"], "Adam's moments are saved"
+    assert state["sampler"]["next_step"] == state["step"] == 22 and state["sampler"]["dataset_size"] == 1437
+    assert state["sampler"]["participation"] == {"kind": "PoissonSampling", "rate": 128 / 1437}
+    state["config"]["epochs"] = 3
+    save_checkpoint(tmp_path, state)
+    assert resume(tmp_path, progress=False, log=quiet)["steps"] == 33  # a longer run continues the same one
+    state = load_checkpoint(tmp_path)
+    state["config"]["epochs"], state["sampler"]["dataset_size"] = 4, 1000  # as if the data had changed
+    save_checkpoint(tmp_path, state)
+    with pytest.raises(CheckpointError, match="sampler"):
+        resume(tmp_path, progress=False, log=quiet)
+    del state["sampler"]  # a checkpoint from before samplers were recorded
+    save_checkpoint(tmp_path, state)
+    with pytest.raises(CheckpointError, match="lacks sampler"):
+        resume(tmp_path, progress=False, log=quiet)
+
+
+def test_privacy_statement_says_whether_the_noise_is_reproducible():
+    seeded = train(TrainConfig(epochs=1, epsilon=2.0), progress=False, log=quiet)["privacy_statement"]
+    assert "seed kept secret" in seeded and "--secure" in seeded
+    secure = train(TrainConfig(epochs=1, epsilon=2.0, secure=True), progress=False, log=quiet)["privacy_statement"]
+    assert "OS entropy" in secure and "seed kept secret" not in secure

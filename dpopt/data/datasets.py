@@ -140,7 +140,8 @@ def mnist1d(download: bool = False) -> Dataset:
     try:
         from mnist1d.data import get_dataset_args, make_dataset
     except ImportError as e:
-        raise DatasetNotFound("MNIST-1D needs the mnist1d package: `pip install mnist1d`") from e
+        raise DatasetNotFound("MNIST-1D needs the mnist1d package: `pip install 'dpopt[data]'` "
+                              "(or `pip install mnist1d`); it builds the data locally, offline") from e
     d = make_dataset(get_dataset_args())
     x = lambda a: torch.tensor(a, dtype=torch.float32).unsqueeze(1)  # noqa: E731
     y = lambda a: torch.tensor(a, dtype=torch.int64)  # noqa: E731

@@ -7,6 +7,7 @@ function of the secret key and t), so a resumed run draws the same batches.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Protocol
 
@@ -94,6 +95,18 @@ def FixedOrderSampler(dataset_size: int, batch_size: int, stream: SecretStream) 
     """Consecutive batches in dataset order, cycling over epochs (each example every
     ``steps_per_epoch`` steps), as matrix-factorization mechanisms require."""
     return ShuffleSampler(dataset_size, batch_size, stream, shuffle=False)
+
+
+def sampler_state(sampler: Sampler, next_step: int) -> dict[str, Any]:
+    """What a checkpoint records of a sampler: everything the accounting and the batches depend on, and
+    the step whose batch comes next (counter-based samplers need no generator state)."""
+    part = sampler.participation
+    stream = getattr(sampler, "stream", None)
+    return {"type": type(sampler).__name__, "dataset_size": getattr(sampler, "dataset_size", None),
+            "participation": {"kind": type(part).__name__, **dataclasses.asdict(part)},
+            "normalizer": float(sampler.normalizer), "steps_per_epoch": int(sampler.steps_per_epoch),
+            "shuffle": getattr(sampler, "shuffle", None), "secure": None if stream is None else stream.secure,
+            "next_step": int(next_step)}
 
 
 SAMPLINGS = ("poisson", "shuffle", "fixed")

@@ -216,14 +216,16 @@ class PerExampleEngine:
                     "(dpopt.models.freeze_batchnorm(model)).")
 
     def verify(self, batch: Any, examples: int = 3, rtol: float = 1e-3) -> None:
-        """Compare the engine's per-example gradients on the first ``examples`` examples of ``batch`` with
-        one autograd backward per example (in eval mode, so dropout cannot differ). A mismatch means some
-        layer's gradient was attributed to the wrong example, which would void the clipping bound."""
+        """Refuse a model or loss that mixes examples (``check_per_example``), then compare the engine's
+        per-example gradients on the first ``examples`` examples of ``batch`` with one autograd backward per
+        example (in eval mode, so dropout cannot differ). A mismatch means some layer's gradient was
+        attributed to the wrong example, which would void the clipping bound."""
         b = min(examples, batch_size_of(batch))
         leaves, spec = tree_flatten(batch)
         size = batch_size_of(batch)
         pick = lambda idx: tree_unflatten([t[idx] if isinstance(t, torch.Tensor) and t.dim() > 0  # noqa: E731
                                            and t.shape[0] == size else t for t in leaves], spec)
+        check_per_example(self.model, self.loss_fn, pick(slice(0, min(8, size))))  # no example moves another
         was_training, projection = self.model.training, self.projection
         self.model.eval()
         self.projection = None  # attribution is checked on the unprojected gradients
@@ -367,22 +369,52 @@ class PerExampleEngine:
 @torch.no_grad()
 def check_per_example(model: nn.Module, loss_fn: LossFn, batch: Any) -> None:
     """Refuse a model (or loss) under which one example changes another example's loss: evaluate the
-    batch twice, the second time with example 0 replaced by example 1, under the same random state."""
+    batch twice, the second time with example 0 replaced by example 1, under the same random state. On a
+    difference, the first module (in the order outputs are computed) whose output for the untouched
+    examples changed is named; if none did, the loss itself mixes the examples."""
     b = batch_size_of(batch)
     if b < 3:
         return
     leaves, spec = tree_flatten(batch)
-    swapped = [torch.cat([t[1:2], t[1:]]) if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == b else t
-               for t in leaves]
+    swapped = tree_unflatten([torch.cat([t[1:2], t[1:]]) if isinstance(t, torch.Tensor) and t.dim() > 0
+                              and t.shape[0] == b else t for t in leaves], spec)
+    outputs: list[list[tuple[str, torch.Tensor]]] = [[], []]
+
+    def record(name: str, run: list[tuple[str, torch.Tensor]]):
+        def hook(module: nn.Module, args: tuple, out: Any) -> None:
+            if isinstance(out, torch.Tensor) and out.dim() > 0 and out.shape[0] == b and out.is_floating_point():
+                run.append((f"{name or '<root>'!r} ({type(module).__name__})", out[2:].detach().clone()))
+        return hook
+
     state = torch.random.get_rng_state()
-    first = loss_fn(model, batch)
-    torch.random.set_rng_state(state)
-    second = loss_fn(model, tree_unflatten(swapped, spec))
+    losses = []
+    for run, data in zip(outputs, (batch, swapped)):
+        handles = [m.register_forward_hook(record(n, run)) for n, m in model.named_modules()]
+        try:
+            torch.random.set_rng_state(state)
+            losses.append(loss_fn(model, data))
+        finally:
+            for h in handles:
+                h.remove()
+    first, second = losses
     if not isinstance(first, torch.Tensor) or first.shape != (b,):
         raise ValueError(f"the loss function must return one loss per example, shape ({b},)")
-    scale = first[2:].abs().max().clamp_min(1e-6)
-    if not torch.allclose(first[2:], second[2:], rtol=1e-4, atol=1e-5 * float(scale)):
-        raise ExampleMixingError(
-            "changing one example changed the loss of other examples: the model or loss mixes examples within "
-            "a batch (batch statistics, a loss normalised over the batch, ...), so per-example clipping cannot "
-            "bound one example's influence. Make every example's loss depend on that example alone.")
+    if _close(first[2:], second[2:]):
+        return
+    for (layer, a), (_, c) in zip(*outputs):
+        if a.shape != c.shape or not _close(a, c):
+            raise ExampleMixingError(
+                f"layer {layer} lets one example change the outputs of other examples in the batch (batch "
+                "statistics or another reduction over the batch dimension), so per-example clipping cannot bound "
+                "one example's influence. Compute it per example: e.g. GroupNorm or LayerNorm instead of batch "
+                "statistics (dpopt.models.replace_batchnorm), or reduce over dimensions other than the batch.")
+    raise ExampleMixingError(
+        "changing one example changed the loss of other examples, and no layer's (batch-first) output did: the "
+        "loss function mixes examples within a batch (a loss normalised over the batch, say), so per-example "
+        "clipping cannot bound one example's influence. Return one loss per example computed from that example "
+        "alone.")
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    scale = a.abs().max().clamp_min(1e-6) if a.numel() else 1.0
+    return bool(torch.allclose(a, b, rtol=1e-4, atol=1e-5 * float(scale)))

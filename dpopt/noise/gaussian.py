@@ -30,10 +30,7 @@ class GaussianNoise:
         return self.noise_multiplier * self.sensitivity
 
     def __call__(self, sums: list[torch.Tensor], step: int) -> list[torch.Tensor]:
-        """Adds the noise to ``sums`` in place (one draw alive at a time) and returns them."""
+        """Adds the noise to ``sums`` in place (no model-sized temporary) and returns them."""
         if self.std == 0.0 or not sums:
             return sums
-        draws = self.stream.iter_normals([s.shape for s in sums], step, device=sums[0].device, dtype=torch.float32)
-        for s, d in zip(sums, draws):
-            s.add_(d.to(s.dtype), alpha=self.std)
-        return sums
+        return self.stream.add_normal_(sums, step, self.std)

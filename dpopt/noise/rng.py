@@ -11,10 +11,11 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
-from typing import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -55,20 +56,50 @@ class SecretStream:
             return _os_uniform(n)
         return torch.rand(n, generator=self.generator(step), dtype=torch.float64)
 
-    def iter_normals(self, shapes: list[torch.Size], step: int, device: torch.device | str = "cpu",
-                     dtype: torch.dtype = torch.float32) -> Iterator[torch.Tensor]:
-        """Standard normal tensors of the given shapes, all for one step, drawn in a fixed order, one at a
-        time (so a caller that consumes each before the next holds one model-sized draw at most)."""
-        g = None if self.secure else self.generator(step, device)
-        for s in shapes:
-            if g is None:
-                yield _os_normal(math.prod(s)).view(s).to(device=device, dtype=dtype)
-            else:
-                yield torch.randn(s, generator=g, device=device, dtype=dtype)
+    def add_normal_(self, tensors: list[torch.Tensor], step: int, std: float = 1.0) -> list[torch.Tensor]:
+        """Adds ``std`` times standard normal noise to each tensor in place and returns them.
+
+        The draw is cut into chunks of ``NOISE_CHUNK`` elements, chunk j of tensor i drawn from its own
+        generator keyed by (step, i, j): the values depend on nothing else (not on the thread count), the
+        chunks are drawn in parallel on CPU, and no model-sized temporary is ever allocated."""
+        if self.secure:
+            for t in tensors:
+                t.add_(_os_normal(t.numel()).view(t.shape).to(device=t.device, dtype=t.dtype), alpha=std)
+            return tensors
+        jobs = [(i, j, t.view(-1)[a:a + NOISE_CHUNK]) for i, t in enumerate(tensors)
+                for j, a in enumerate(range(0, t.numel(), NOISE_CHUNK))]
+
+        def draw(part: list[tuple[int, int, torch.Tensor]]) -> None:
+            for i, j, view in part:
+                g = torch.Generator(device=view.device)
+                g.manual_seed(derive_seed(self._key, step, i, j))
+                view.add_(torch.randn(view.shape, generator=g, device=view.device, dtype=torch.float32).to(view.dtype),
+                          alpha=std)
+
+        workers = min(torch.get_num_threads(), len(jobs))
+        if workers > 1 and all(t.device.type == "cpu" for t in tensors):
+            list(_pool(workers).map(draw, [jobs[k::workers] for k in range(workers)]))
+        else:
+            draw(jobs)
+        return tensors
 
     def normals(self, shapes: list[torch.Size], step: int, device: torch.device | str = "cpu",
                 dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
-        return list(self.iter_normals(shapes, step, device, dtype))
+        """Standard normal tensors of the given shapes: exactly what ``add_normal_`` adds at this step."""
+        return self.add_normal_([torch.zeros(s, device=device, dtype=dtype) for s in shapes], step)
+
+
+# Elements per independently seeded noise chunk (part of the stream's definition: changing it changes the draws).
+NOISE_CHUNK = 1 << 20
+
+
+@functools.lru_cache(maxsize=4)
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """Threads for drawing noise chunks (torch releases the GIL while it draws)."""
+    return ThreadPoolExecutor(workers, thread_name_prefix="dpopt-noise")
+
+
+os.register_at_fork(after_in_child=_pool.cache_clear)  # a forked child has none of the parent's threads
 
 
 def _os_uniform(n: int) -> torch.Tensor:

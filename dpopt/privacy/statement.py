@@ -7,7 +7,9 @@ from dpopt.privacy.ledger import FixedParticipation, PoissonSampling, PrivacyLed
 
 
 def privacy_statement(ledger: PrivacyLedger, delta: float, dataset_size: int | None = None,
-                      unit: str = "example") -> str:
+                      unit: str = "example", secure: bool | None = None) -> str:
+    """``secure``: True if the secret randomness came from OS entropy, False if it was derived from the run's
+    seed (then the guarantee needs that seed kept secret), None if the caller does not say."""
     eps = ledger.epsilon(delta)
     other = "rdp" if ledger.accountant == "pld" else "pld"
     try:
@@ -35,4 +37,10 @@ def privacy_statement(ledger: PrivacyLedger, delta: float, dataset_size: int | N
         f" for neighbouring D, D'. The guarantee covers the released model and every intermediate iterate;"
         f" it assumes the clip bound held for every {unit}, which the engine enforces, and that checkpoints"
         f" (which hold the secret noise seed) are not published.")
+    if secure is True:
+        lines.append("Noise and batches were drawn from OS entropy: nothing stored can reproduce them.")
+    elif secure is False:
+        lines.append("Noise and batches were derived from the run's seed, so the guarantee also needs that seed "
+                     "kept secret: checkpoints and metrics.json record it (metrics.json's training losses are not "
+                     "private either). Train with --secure for a model you publish.")
     return "\n".join(lines)

@@ -1,0 +1,53 @@
+"""The datasets the core ships (digits, MNIST, Fashion-MNIST, MNIST-1D) and its models (no BatchNorm)."""
+
+import socket
+
+import pytest
+import torch
+from torch import nn
+
+from dpopt.data import datasets
+from dpopt.models import IMAGE_MODELS, build_model
+from dpopt.train import TrainConfig, train
+
+
+def test_mnist1d_is_built_offline_and_trains(monkeypatch):
+    def no_network(*args, **kwargs):
+        raise OSError("network access attempted")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    data = datasets.load_dataset("mnist1d")
+    assert data.train[0].shape == (4000, 1, 40) and data.test[0].shape == (1000, 1, 40)
+    assert torch.bincount(data.train[1], minlength=10).min() > 350  # ten balanced classes
+    monkeypatch.setitem(datasets.DATASETS, "mnist1d", lambda download=False: data)
+    m = train(TrainConfig(dataset="mnist1d", model="mlp", epochs=1, epsilon=2.0), progress=False, log=lambda s: None)
+    assert m["dataset"] == "mnist1d" and m["epsilon"] <= 2.0 and m["test_accuracy"] > 0.1
+
+
+def test_fashion_mnist_loads_from_debians_path():
+    try:
+        data = datasets.load_dataset("fashion-mnist")
+    except datasets.DatasetNotFound:
+        pytest.skip("Fashion-MNIST is not installed (apt-get install -y dataset-fashion-mnist)")
+    assert data.train[0].shape == (60000, 1, 28, 28) and data.test[0].shape == (10000, 1, 28, 28)
+    assert torch.bincount(data.train[1]).tolist() == [6000] * 10
+    assert abs(float(data.train[0].mean())) < 1e-2 and abs(float(data.train[0].std()) - 1) < 1e-2  # normalised
+
+
+@pytest.mark.parametrize("name", sorted(IMAGE_MODELS))
+def test_models_have_no_batchnorm(name):
+    data = datasets.Dataset("fake", (torch.zeros(2, 1, 28, 28), torch.zeros(2, dtype=torch.long)), None, 10)
+    model = build_model(name, data)
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    assert model(torch.randn(3, 1, 28, 28)).shape == (3, 10)
+
+
+def test_cnn_is_the_tanh_cnn_of_the_dp_literature():
+    """Papernot et al. (2021): conv 16@8x8/2, maxpool 2/1, conv 32@4x4/2, maxpool 2/1, fc 32, fc 10, Tanh."""
+    data = datasets.Dataset("fake", (torch.zeros(2, 1, 28, 28), torch.zeros(2, dtype=torch.long)), None, 10)
+    model = build_model("cnn", data)
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    assert [(c.out_channels, c.kernel_size, c.stride) for c in convs] == [(16, (8, 8), (2, 2)), (32, (4, 4), (2, 2))]
+    assert sum(p.numel() for p in model.parameters()) == 26010
+    assert sum(isinstance(m, nn.Tanh) for m in model.modules()) == 3
