@@ -2,40 +2,49 @@
 
 A checkpoint is written to a temporary file in the same folder, flushed to disk, and renamed over the
 old one (an atomic replace on POSIX), so a crash at any instant leaves either the old or the new
-checkpoint. A checkpoint holds the run's secret seed: it is for resuming, not for publishing.
+checkpoint; a temporary file left by a killed writer is removed by the next write. The same holds for
+``write_atomic`` (metrics.json). A checkpoint holds the run's secret seed: it is for resuming, not for
+publishing.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, IO
 
 import torch
 
 CHECKPOINT = "checkpoint.pt"
+FORMAT = "dpopt-checkpoint-1"
 
 
 class CheckpointError(RuntimeError):
     pass
 
 
-def save_checkpoint(folder: str | os.PathLike, state: dict[str, Any]) -> Path:
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    final = folder / CHECKPOINT
-    tmp = folder / f".{CHECKPOINT}.{os.getpid()}.tmp"
+def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> Path:
+    """Write ``path`` through ``write(file)`` so that it holds either its old or its complete new content."""
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in final.parent.glob(f".{final.name}.*.tmp"):  # left by a writer that was killed
+        stale.unlink(missing_ok=True)
+    tmp = final.parent / f".{final.name}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
-        torch.save(state, f)
+        write(f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
-    dir_fd = os.open(folder, os.O_RDONLY)
+    dir_fd = os.open(final.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
     return final
+
+
+def save_checkpoint(folder: str | os.PathLike, state: dict[str, Any]) -> Path:
+    return write_atomic(Path(folder) / CHECKPOINT, lambda f: torch.save(state, f))
 
 
 def load_checkpoint(folder: str | os.PathLike) -> dict[str, Any]:
@@ -46,6 +55,6 @@ def load_checkpoint(folder: str | os.PathLike) -> dict[str, Any]:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a truncated or foreign file: never resume from it
         raise CheckpointError(f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}: {e})") from e
-    if not isinstance(state, dict) or state.get("format") != "dpopt-checkpoint-1":
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a dpopt checkpoint")
     return state

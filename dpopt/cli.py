@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -15,6 +16,7 @@ from dpopt.checkpoint import CheckpointError
 from dpopt.clipping import CLIP_MODES
 from dpopt.data.datasets import DATASETS, DatasetNotFound
 from dpopt.data.samplers import SAMPLINGS
+from dpopt.distributed import DataParallel, from_environment, launch
 from dpopt.grad.engine import MODES, STRATEGIES
 from dpopt.models import MODELS
 from dpopt.privacy import (AccountingError, FixedParticipation, GaussianRelease, PoissonSampling, Relation,
@@ -69,7 +71,13 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="per layer: ghost norms + book-keeping, materialised per-example gradients, or auto")
     p.add_argument("--download", action="store_true", help="allow downloading a dataset that is not on disk")
     p.add_argument("--out", help="run folder: checkpoints every epoch and metrics.json")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, metavar="N",
+                   help="also checkpoint after every N-th step within an epoch, so a crash loses at most N steps "
+                        "(0: at epoch ends only)")
     p.add_argument("--resume", metavar="DIR", help="continue the run whose checkpoint is in DIR")
+    p.add_argument("--nproc", type=_positive_int, default=1,
+                   help="data-parallel: split each step over N local processes (gloo); under torchrun the "
+                        "launcher's RANK/WORLD_SIZE are used instead")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -150,6 +158,20 @@ def _bench(args: argparse.Namespace) -> int:
     return bench.run(args)
 
 
+def _add_audit(sub: argparse._SubParsersAction) -> None:
+    from dpopt.audit import cli as audit_cli
+
+    audit_cli.add_arguments(sub.add_parser("audit", help="empirical privacy audit: a lower bound on epsilon "
+                                           "from canaries, against the epsilon the run claims"))
+
+
+@command("audit", _add_audit)
+def _audit(args: argparse.Namespace) -> int:
+    from dpopt.audit import cli as audit_cli
+
+    return audit_cli.run(args)
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="dpopt", description="Differentially private training for PyTorch.")
     sub = top.add_subparsers(dest="command")
@@ -158,21 +180,42 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+def _run_training(parallel: DataParallel | None, config: TrainConfig | None, out: str | None,
+                  resume_from: str | None, progress: bool) -> None:
+    """One process's part of ``dpopt train`` (all of it without ``parallel``); rank 0 prints."""
+    metrics = (resume(resume_from, progress, parallel=parallel) if resume_from
+               else train(config, out, progress, parallel=parallel))
+    if parallel is None or parallel.lead:
+        print(f"test accuracy {metrics['test_accuracy']:.4f} at epsilon {metrics['epsilon']:.4f} "
+              f"(delta {metrics['delta']:g}) after {metrics['steps']} steps, {metrics['wall_time_s']:.1f} s")
+
+
 @command("train", _add_train)
 def _train(args: argparse.Namespace) -> int:
     progress = not args.no_progress
-    if args.resume:
-        resume(args.resume, progress)
-        return 0
-    fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"hp"}
-    values = {k: v for k, v in vars(args).items() if k in fields}
-    if values["epsilon"] is None and values["noise_multiplier"] is None:
-        values["epsilon"] = DEFAULT_EPSILON
-    hp = Hyperparameters(**{f.name: tuple(v) if isinstance(v, list) else v
-                            for f in dataclasses.fields(Hyperparameters) for v in [getattr(args, f.name)]})
-    metrics = train(TrainConfig(**values, hp=hp), args.out, progress)
-    print(f"test accuracy {metrics['test_accuracy']:.4f} at epsilon {metrics['epsilon']:.4f} "
-          f"(delta {metrics['delta']:g}) after {metrics['steps']} steps, {metrics['wall_time_s']:.1f} s")
+    config = None
+    if not args.resume:
+        fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"hp"}
+        values = {k: v for k, v in vars(args).items() if k in fields}
+        if values["epsilon"] is None and values["noise_multiplier"] is None:
+            values["epsilon"] = DEFAULT_EPSILON
+        hp = Hyperparameters(**{f.name: tuple(v) if isinstance(v, list) else v
+                                for f in dataclasses.fields(Hyperparameters) for v in [getattr(args, f.name)]})
+        config = TrainConfig(**values, hp=hp)
+        config.validate()
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.nproc > 1 and launched > 1:
+        raise ValueError(f"--nproc {args.nproc} under a launcher that already started {launched} processes "
+                         "(WORLD_SIZE is set); drop --nproc")
+    if args.nproc > 1:
+        launch(args.nproc, _run_training, config, args.out, args.resume, progress)
+    else:
+        parallel = from_environment()
+        try:
+            _run_training(parallel, config, args.out, args.resume, progress)
+        finally:
+            if parallel is not None:
+                parallel.close()
     return 0
 
 

@@ -3,6 +3,10 @@
 A run is a function of its config: the public seed drives initialisation, the secret streams (derived
 from the same seed under a secret label, or OS entropy in secure mode) drive sampling and noise, both
 counter-based, so ``resume`` continues a run to exactly the parameters and epsilon of an uninterrupted one.
+A checkpoint is written at the end of every epoch and, with ``checkpoint_every = N``, after every N-th
+step within an epoch, with the epoch's partial statistics, so a run killed at any instant loses at most N
+steps and its resumed history (losses, evaluations) is the uninterrupted run's. With ``parallel`` (see
+``dpopt.distributed``) the process is one rank of a data-parallel run: rank 0 logs and writes.
 """
 
 from __future__ import annotations
@@ -22,15 +26,17 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from dpopt.algorithms import ALGORITHMS, DPOptimizer, Hyperparameters, Privatizer, build_algorithm
-from dpopt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from dpopt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, write_atomic
 from dpopt.clipping import Clipping
 from dpopt.data.datasets import DATASETS, Dataset, labels_of, load_dataset
 from dpopt.data.samplers import SAMPLINGS, make_sampler, sampler_state, take
+from dpopt.distributed import DataParallel
 from dpopt.grad.engine import MODES, STRATEGIES, PerExampleEngine, check_per_example
 from dpopt.models import MODELS, build_model
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.rng import SecretStream, derive_seed
 from dpopt.privacy import PoissonSampling, PrivacyLedger, Relation, check_budget, noise_multiplier_for
+from dpopt.privacy.ledger import ACCOUNTANTS
 from dpopt.privacy.statement import privacy_statement
 
 
@@ -54,11 +60,13 @@ class TrainConfig:
     per_example: str = "hooks"
     strategy: str = "auto"
     download: bool = False
+    checkpoint_every: int = 0  # also checkpoint after every N-th step within an epoch (0: at epoch ends only)
     hp: Hyperparameters = Hyperparameters()
 
     def validate(self) -> None:
         for name, known in [("algorithm", ALGORITHMS), ("dataset", DATASETS), ("model", MODELS),
-                            ("sampling", SAMPLINGS), ("per_example", MODES), ("strategy", STRATEGIES)]:
+                            ("sampling", SAMPLINGS), ("per_example", MODES), ("strategy", STRATEGIES),
+                            ("accountant", ACCOUNTANTS)]:
             if getattr(self, name) not in known:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(sorted(known))}")
         if (self.epsilon is None) == (self.noise_multiplier is None):
@@ -71,6 +79,9 @@ class TrainConfig:
             raise ValueError(f"delta must lie in (0, 1), got {self.delta}")
         if self.epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {self.epochs}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0 steps (0: at the end of each epoch only), "
+                             f"got {self.checkpoint_every}")
         Relation(self.relation)
         Clipping(self.clip, self.clipping)
 
@@ -98,15 +109,21 @@ def classification_loss(model: nn.Module, batch: Any) -> torch.Tensor:
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, data: Any, batch_size: int = 1024) -> float:
+def accuracy(model: nn.Module, data: Any, batch_size: int = 1024, parallel: DataParallel | None = None) -> float:
+    """Accuracy on ``data``; with ``parallel``, each rank evaluates its share and the counts are summed."""
     was_training = model.training
     model.eval()
     n = len(labels_of(data))
+    index = torch.arange(n)
+    if parallel is not None:
+        index = torch.tensor_split(index, parallel.world_size)[parallel.rank]
     correct = 0
-    for start in range(0, n, batch_size):
-        batch = take(data, torch.arange(start, min(n, start + batch_size)))
+    for chunk in index.split(batch_size):
+        batch = take(data, chunk)
         correct += int((logits_of(model, batch).argmax(-1) == labels_of(batch)).sum())
     model.train(was_training)
+    if parallel is not None:
+        correct = int(parallel.total([correct])[0])
     return correct / n
 
 
@@ -123,7 +140,7 @@ class Run:
     total_steps: int
 
 
-def build_run(config: TrainConfig, log: Callable[[str], None] = print) -> Run:
+def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel: DataParallel | None = None) -> Run:
     config.validate()
     data = load_dataset(config.dataset, config.download)
     n = len(data)
@@ -147,21 +164,26 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print) -> Run:
     clipping = Clipping(config.clip, config.clipping)
     ledger = PrivacyLedger(config.relation, config.accountant)
     noise = GaussianNoise(z, clipping.sensitivity, SecretStream(secret_seed, "noise"))
-    privatizer = Privatizer(clipping, noise, sampler, ledger)
+    privatizer = Privatizer(clipping, noise, sampler, ledger, parallel)
     optimizer = build_algorithm(config.algorithm, engine, privatizer, config.hp)
     return Run(config, data, model, optimizer, sampler, ledger, total)
 
 
-def _state(run: Run, history: list[dict[str, Any]], wall: float, cpu: float) -> dict[str, Any]:
-    """A checkpoint: model, optimizer, ledger, sampler and RNG state. The secret streams and the sampler are
-    counter-based (their state is the config's seed, or OS entropy, plus the next step); the public torch
-    generator is re-seeded every step and is saved as well."""
+def _state(run: Run, history: list[dict[str, Any]], wall: float, cpu: float, epoch_losses: list[float],
+           epoch_nonfinite: int) -> dict[str, Any]:
+    """A checkpoint: model, optimizer, ledger, sampler and RNG state, and the current epoch's partial statistics.
+    The secret streams and the sampler are counter-based (their state is the config's seed, or OS entropy, plus
+    the next step); the public torch generator is re-seeded every step and is saved as well."""
     steps = run.optimizer.steps
+    if run.ledger.steps != steps:
+        raise RuntimeError(f"refusing to checkpoint: the ledger holds {run.ledger.steps} releases but the "
+                           f"optimizer took {steps} steps")
     return {"format": "dpopt-checkpoint-1", "config": run.config.to_dict(),
             "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
             "ledger": run.ledger.to_dict(), "step": steps, "sampler": sampler_state(run.sampler, steps),
             "rng": {"torch": torch.get_rng_state(), "secret_next_step": steps, "secure": run.config.secure},
-            "history": history, "wall_time_s": wall, "cpu_time_s": cpu}
+            "history": history, "wall_time_s": wall, "cpu_time_s": cpu,
+            "epoch_losses": list(epoch_losses), "epoch_nonfinite": epoch_nonfinite}
 
 
 def _restore(run: Run, state: dict[str, Any]) -> None:
@@ -174,7 +196,8 @@ def _restore(run: Run, state: dict[str, Any]) -> None:
     run.optimizer.load_state_dict(state["optimizer"])
     run.ledger.entries = PrivacyLedger.from_dict(state["ledger"]).entries
     if run.ledger.steps != run.optimizer.steps:
-        raise CheckpointError("checkpoint is inconsistent: ledger and optimizer disagree on the step count")
+        raise CheckpointError(f"checkpoint is inconsistent: the ledger holds {run.ledger.steps} releases but "
+                              f"the optimizer took {run.optimizer.steps} steps; do not resume from it")
     if state["sampler"] != sampler_state(run.sampler, run.optimizer.steps):
         raise CheckpointError(f"the checkpoint's sampler {state['sampler']} differs from the one this run builds "
                               f"{sampler_state(run.sampler, run.optimizer.steps)}: the dataset or the sampling "
@@ -182,23 +205,37 @@ def _restore(run: Run, state: dict[str, Any]) -> None:
     torch.set_rng_state(state["rng"]["torch"])
 
 
+def _silent(_: str) -> None:
+    pass
+
+
 def train(config: TrainConfig, out: str | Path | None = None, progress: bool = True,
-          log: Callable[[str], None] = print, _resume_state: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Run (or, with ``_resume_state``, continue) a private training run; returns the metrics."""
-    run = build_run(config, log)
+          log: Callable[[str], None] = print, _resume_state: dict[str, Any] | None = None,
+          parallel: DataParallel | None = None) -> dict[str, Any]:
+    """Run (or, with ``_resume_state``, continue) a private training run; returns the metrics. With
+    ``parallel`` this process is one rank of a data-parallel run; only rank 0 logs and writes to ``out``."""
+    if parallel is not None and not parallel.lead:
+        out, progress, log = None, False, _silent
+    run = build_run(config, log, parallel)
     history: list[dict[str, Any]] = []
+    losses: list[float] = []  # this epoch's step losses
+    epoch_nonfinite = 0
     wall = cpu = 0.0
     if _resume_state is not None:
         _restore(run, _resume_state)
         history = list(_resume_state["history"])
+        losses = list(_resume_state.get("epoch_losses", []))
+        epoch_nonfinite = int(_resume_state.get("epoch_nonfinite", 0))
         wall, cpu = float(_resume_state["wall_time_s"]), float(_resume_state["cpu_time_s"])
-    per_epoch = run.sampler.steps_per_epoch
+    if parallel is not None:
+        parallel.broadcast_(run.optimizer.params)  # rank 0's starting point everywhere
+    per_epoch, every = run.sampler.steps_per_epoch, config.checkpoint_every
     nonfinite = sum(h.get("nonfinite", 0) for h in history)
     start, cpu_start = time.perf_counter() - wall, time.process_time() - cpu
-    for epoch in range(run.optimizer.steps // per_epoch, config.epochs):
-        losses: list[float] = []
-        epoch_nonfinite = 0
-        bar = tqdm(range(per_epoch), desc=f"epoch {epoch + 1}/{config.epochs}", disable=not progress, leave=False)
+    while run.optimizer.steps < run.total_steps:
+        epoch, done = divmod(run.optimizer.steps, per_epoch)
+        bar = tqdm(range(done, per_epoch), initial=done, total=per_epoch, desc=f"epoch {epoch + 1}/{config.epochs}",
+                   disable=not progress, leave=False)
         for _ in bar:
             torch.manual_seed(derive_seed(config.seed, "public", "step", run.optimizer.steps))  # dropout; not secret
             result = run.optimizer.step(run.data.train)
@@ -208,16 +245,22 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
                 bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.4f}",
                                 acc=f"{history[-1]['test_accuracy']:.4f}" if history else "-",
                                 eps=f"{history[-1]['epsilon']:.3f}" if history else "0")
-        if epoch_nonfinite:
+            steps = run.optimizer.steps
+            if out is not None and every and steps % every == 0 and steps % per_epoch:  # epoch ends: below
+                save_checkpoint(out, _state(run, history, time.perf_counter() - start,
+                                            time.process_time() - cpu_start, losses, epoch_nonfinite))
+        if epoch_nonfinite and (parallel is None or parallel.lead):
             warnings.warn(f"{epoch_nonfinite} examples had non-finite gradients in epoch {epoch + 1}; "
                           "they contributed zero to the update", stacklevel=2)
         nonfinite += epoch_nonfinite
-        acc = accuracy(run.model, run.data.test)
+        acc = accuracy(run.model, run.data.test, parallel=parallel)
         eps = run.ledger.epsilon(config.delta)
         history.append({"epoch": epoch + 1, "step": run.optimizer.steps, "test_accuracy": acc, "epsilon": eps,
                         "train_loss": sum(losses) / max(1, len(losses)), "nonfinite": epoch_nonfinite})
+        losses, epoch_nonfinite = [], 0
         if out is not None:
-            save_checkpoint(out, _state(run, history, time.perf_counter() - start, time.process_time() - cpu_start))
+            save_checkpoint(out, _state(run, history, time.perf_counter() - start, time.process_time() - cpu_start,
+                                        losses, epoch_nonfinite))
         log(f"epoch {epoch + 1}/{config.epochs}: test accuracy {acc:.4f}, epsilon {eps:.4f}")
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     metrics = {
@@ -234,14 +277,17 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
     statement = privacy_statement(run.ledger, config.delta, len(run.data), secure=config.secure)
     metrics["privacy_statement"] = statement
     if out is not None:
-        Path(out, "metrics.json").write_text(json.dumps(metrics, indent=2))
+        write_atomic(Path(out, "metrics.json"), lambda f: f.write(json.dumps(metrics, indent=2).encode()))
     log(statement)
     return metrics
 
 
-def resume(out: str | Path, progress: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Continue the run whose checkpoint is in ``out`` to its configured end."""
-    state = load_checkpoint(out)
+def resume(out: str | Path, progress: bool = True, log: Callable[[str], None] = print,
+           parallel: DataParallel | None = None) -> dict[str, Any]:
+    """Continue the run whose checkpoint is in ``out`` to its configured end (with ``parallel``, rank 0
+    reads the checkpoint and sends it to the other ranks)."""
+    state = load_checkpoint(out) if parallel is None else parallel.from_lead(lambda: load_checkpoint(out))
     config = TrainConfig.from_dict(state["config"])
-    log(f"resuming {config.algorithm} on {config.dataset} from step {state['step']}")
-    return train(config, out, progress, log, _resume_state=state)
+    if parallel is None or parallel.lead:
+        log(f"resuming {config.algorithm} on {config.dataset} from step {state['step']}")
+    return train(config, out, progress, log, _resume_state=state, parallel=parallel)

@@ -94,14 +94,14 @@ def test_no_noise_is_infinite_epsilon_and_empty_ledger_is_zero():
                                  dict(delta=0.0), dict(delta=1.0)])
 def test_bad_budget_refused(bad):
     args = dict(epsilon=1.0, delta=1e-5) | bad
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="epsilon must be a finite number > 0|delta must lie in"):
         noise_multiplier_for(args["epsilon"], args["delta"], PoissonSampling(0.1), 10)
 
 
 def test_bad_participation_refused():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="Poisson sampling rate must lie in"):
         PoissonSampling(0.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="Poisson sampling rate must lie in"):
         PoissonSampling(1.5)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="participation period must be >= 1"):
         FixedParticipation(0)

@@ -8,12 +8,16 @@ records the release in the ledger and divides by the batch normaliser, in that o
 with, so sampling and accounting cannot disagree. ``DPOptimizer.step(data)`` draws the batch from that
 sampler itself (stage 1), then runs the rest; a method changes ``statistic`` (which per-example vector is
 privatized), ``transforms`` (post-processing, free under DP) or the base update.
+
+With ``parallel`` (a ``dpopt.distributed.DataParallel``) the step is split across processes: each takes
+its share of the global batch, clips and sums it, and the sums meet between the clip and the noise stage
+(``DataParallel.sum_and_noise``): noise is added once, to the global sum, whatever its shape.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -24,6 +28,9 @@ from dpopt.noise.gaussian import GaussianNoise
 from dpopt.privacy.ledger import PoissonSampling, PrivacyLedger
 from dpopt.transforms.base import Transform
 
+if TYPE_CHECKING:
+    from dpopt.distributed import DataParallel
+
 
 @dataclass
 class Privatizer:
@@ -31,6 +38,7 @@ class Privatizer:
     noise: GaussianNoise
     sampler: Sampler
     ledger: PrivacyLedger
+    parallel: DataParallel | None = None
 
     def __post_init__(self) -> None:
         if abs(self.noise.sensitivity - self.clipping.sensitivity) > 1e-12 * self.clipping.sensitivity:
@@ -50,11 +58,22 @@ class Privatizer:
             stats = ClipStats(0, 0)
         else:
             sums, stats = clip_and_sum(grads, self.clipping)
-        noisy = self.noise(sums, step)
+        if self.parallel is None:
+            noisy = self.noise(sums, step)
+        else:
+            noisy = self.parallel.sum_and_noise(sums, lambda s: self.noise(s, step))
         self.ledger.record(self.noise.release(self.sampler.participation))
         for n in noisy:
             n.div_(self.sampler.normalizer)
         return noisy, stats
+
+    def batch(self, step: int) -> torch.Tensor:
+        """The indices of this process's examples in the step's batch (all of them without ``parallel``)."""
+        return self.sampler.batch(step) if self.parallel is None else self.parallel.share(self.sampler, step)
+
+    def total(self, values: Sequence[float]) -> list[float]:
+        """Per-process counts summed over all processes (diagnostics: examples, losses; not released)."""
+        return list(values) if self.parallel is None else self.parallel.total(values)
 
 
 Statistic = Callable[[PerExampleEngine, Any], PerExampleGradients]
@@ -92,7 +111,7 @@ class DPOptimizer:
     def step(self, data: Any) -> StepResult:
         """One private step on a batch that this step samples from ``data`` (a tensor or a pytree of
         tensors indexed along dimension 0, or a callable mapping an index tensor to a batch)."""
-        batch = take(data, self.privatizer.sampler.batch(self.steps))
+        batch = take(data, self.privatizer.batch(self.steps))
         if not self.verified and batch_size_of(batch) > 0:
             self.engine.verify(batch)  # once: the engine attributes every layer's gradient correctly
             self.verified = True
@@ -106,8 +125,11 @@ class DPOptimizer:
         for t in self.transforms:
             t.after_update(self.params)
         self.steps += 1
-        loss = None if grads is None or grads.losses is None else float(grads.losses.mean())
-        return StepResult(loss, stats.examples, stats.nonfinite)
+        losses = None if grads is None or grads.losses is None else grads.losses[torch.isfinite(grads.losses)]
+        examples, nonfinite, loss_sum, loss_count = self.privatizer.total(
+            [stats.examples, stats.nonfinite, 0.0 if losses is None else float(losses.double().sum()),
+             0 if losses is None else losses.numel()])
+        return StepResult(loss_sum / loss_count if loss_count else None, int(examples), int(nonfinite))
 
     def update(self, grads: list[torch.Tensor]) -> None:
         """The base update: a torch optimizer reads the gradients from ``.grad``; any other base (e.g. a

@@ -36,6 +36,11 @@ class Relation(str, enum.Enum):
     ADD_REMOVE = "add-remove"
     REPLACE_ONE = "replace-one"
 
+    @classmethod
+    def _missing_(cls, value: object) -> "Relation":
+        raise ValueError(f"unknown neighbouring relation {value!r}; choose one of "
+                         f"{', '.join(r.value for r in cls)}")
+
 
 class AccountingError(ValueError):
     """A release that the chosen accountant cannot account for exactly; it is refused, not guessed."""

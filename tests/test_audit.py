@@ -1,0 +1,204 @@
+"""Empirical privacy auditing: the statistical core against reference values, and the audit of every
+family's recipe, correct (bound below the claim) and deliberately broken (bound above it). The broken
+variants live only here, as monkeypatches of the library's clipping, noise and sampler."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import binom, norm
+
+from dpopt.algorithms import ALGORITHMS
+from dpopt.audit import (AUDIT_SETUPS, AuditSpec, audit, clopper_pearson_upper, epsilon_from_rates,
+                         epsilon_lower_bound, threshold_audit)
+from dpopt.audit.canaries import DiracRows, ProjectedDirac
+from dpopt.cli import main
+from dpopt.clipping import Clipping
+from dpopt.data.samplers import PoissonSampler
+from dpopt.noise.gaussian import GaussianNoise
+from dpopt.privacy import GaussianRelease, PoissonSampling, epsilon_of
+from dpopt.privacy.ledger import FixedParticipation
+
+# --- the statistical core ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k,n", [(0, 10), (3, 50), (17, 200), (99, 100), (0, 100000), (40, 100000)])
+def test_clopper_pearson_upper_is_the_exact_binomial_bound(k, n):
+    alpha = 0.025
+    upper = float(clopper_pearson_upper(k, n, alpha))
+    assert binom.cdf(k, n, upper) == pytest.approx(alpha, rel=1e-6)  # P[Bin(n, p_u) <= k] = alpha
+    if k == 0:
+        assert upper == pytest.approx(1 - alpha ** (1 / n), rel=1e-9)  # the closed form at k = 0
+    assert float(clopper_pearson_upper(n, n, alpha)) == 1.0
+
+
+def test_clopper_pearson_covers_the_true_rate():
+    rng = np.random.default_rng(0)
+    p, n, alpha = 0.03, 400, 0.05
+    draws = rng.binomial(n, p, size=4000)
+    covered = np.mean(clopper_pearson_upper(draws, n, alpha) >= p)
+    assert covered >= 1 - alpha  # exact (conservative) coverage: 1 - alpha or more
+
+
+def test_epsilon_from_rates_known_values():
+    assert float(epsilon_from_rates(0.01, 0.5, 0.0)) == pytest.approx(math.log(50))
+    assert float(epsilon_from_rates(0.5, 0.01, 0.0)) == pytest.approx(math.log(50))  # the other inequality
+    assert float(epsilon_from_rates(0.01, 0.5, 0.1)) == pytest.approx(math.log(40))
+    assert float(epsilon_from_rates(0.5, 0.5, 1e-5)) == 0.0  # a coin flip proves nothing
+    assert float(epsilon_from_rates(0.7, 0.7, 0.0)) == 0.0
+
+
+@pytest.mark.parametrize("mu,delta", [(0.5, 1e-5), (1.0, 1e-3), (2.0, 1e-5)])
+def test_epsilon_conversion_is_tight_on_the_gaussian_mechanism(mu, delta):
+    """The best threshold test on N(0, 1) vs N(mu, 1) implies exactly the epsilon dp-accounting gives the
+    Gaussian mechanism of sensitivity 1 and noise 1/mu: never more (validity), and no less (tightness)."""
+    tau = np.linspace(-10, 15, 200001)
+    implied = epsilon_from_rates(norm.sf(tau), norm.cdf(tau - mu), delta)
+    exact = epsilon_of([GaussianRelease(1 / mu, FixedParticipation(1))], delta)
+    assert implied.max() <= exact + 1e-3
+    assert implied.max() == pytest.approx(exact, abs=5e-3)
+
+
+def test_lower_bound_is_valid_and_close_on_synthetic_canaries():
+    """Scores of an exactly known mechanism (Gaussian, mu = 2): the bound stays below its epsilon in at least
+    the stated fraction of repetitions, and with 10^6 canaries it is most of the way there."""
+    delta, mu, confidence = 1e-5, 2.0, 0.95
+    exact = epsilon_of([GaussianRelease(1 / mu, FixedParticipation(1))], delta)
+    rng = np.random.default_rng(1)
+    bounds = []
+    for _ in range(100):
+        present = torch.from_numpy(rng.random(2000) < 0.5)
+        scores = torch.from_numpy(rng.standard_normal(2000) + mu * present.numpy())
+        bounds.append(threshold_audit(scores, present, torch.from_numpy(rng.random(2000) < 0.2), delta,
+                                      confidence).epsilon_lower)
+    assert np.mean(np.array(bounds) > exact) <= 1 - confidence
+    present = torch.from_numpy(rng.random(10 ** 6) < 0.5)
+    scores = torch.from_numpy(rng.standard_normal(10 ** 6) + mu * present.numpy())
+    big = threshold_audit(scores, present, torch.from_numpy(rng.random(10 ** 6) < 0.2), delta, confidence)
+    assert 0.6 * exact < big.epsilon_lower < exact
+
+
+def test_indistinguishable_canaries_give_no_bound():
+    rng = np.random.default_rng(2)
+    present = torch.from_numpy(rng.random(100000) < 0.5)
+    scores = torch.from_numpy(rng.standard_normal(100000))
+    test = threshold_audit(scores, present, torch.from_numpy(rng.random(100000) < 0.2), 1e-5, 0.95)
+    assert test.epsilon_lower < 0.05
+
+
+def test_bound_uses_both_error_rates():
+    """Counts straight into the bound: 10 false alarms among 1000 out, 500 misses among 1000 in."""
+    got = float(epsilon_lower_bound(10, 1000, 500, 1000, 0.0, 0.9))
+    fpr, fnr = clopper_pearson_upper(10, 1000, 0.05), clopper_pearson_upper(500, 1000, 0.05)
+    assert got == pytest.approx(math.log((1 - fnr) / fpr))
+
+
+# --- the audit through each family's recipe -----------------------------------------------------------
+
+# The budgets of the tests: delta 1e-5 where the setup holds 10^6 canaries; delta 1e-3 for the projected
+# setup (65536 canaries), whose test point then lies where that many canaries resolve the error rates.
+SPECS = {DiracRows: AuditSpec(), ProjectedDirac: AuditSpec(delta=1e-3)}
+
+
+def spec_for(algorithm):
+    return SPECS[type(AUDIT_SETUPS[algorithm])]
+
+
+def test_every_algorithm_has_an_audit_setup():
+    missing = sorted(set(ALGORITHMS) - set(AUDIT_SETUPS))
+    assert not missing, f"register an audit setup for {missing} (dpopt.audit.register_audit; docs/audit.md)"
+
+
+@pytest.mark.parametrize("algorithm", sorted(AUDIT_SETUPS))
+def test_correct_recipe_stays_below_its_claim(algorithm):
+    spec = spec_for(algorithm)
+    result = audit(algorithm, spec)
+    assert result.epsilon_claimed == pytest.approx(spec.epsilon, rel=0.01)
+    assert 0.25 * result.epsilon_claimed < result.epsilon_lower < result.epsilon_claimed
+
+
+def _no_clipping(self, sq_norms, groups):
+    return torch.ones_like(sq_norms), torch.isfinite(sq_norms.sum(1))
+
+
+_sampler_init = PoissonSampler.__init__
+
+
+def _undercounting_sampler(self, dataset_size, rate, stream):
+    """Samples at ``rate`` but tells the ledger (and the calibration) a quarter of it."""
+    _sampler_init(self, dataset_size, rate, stream)
+    self.participation = PoissonSampling(rate / 4)
+
+
+BROKEN = {
+    "clipping-off": (Clipping, "weights", _no_clipping),
+    "noise-halved": (GaussianNoise, "std", property(lambda self: self.noise_multiplier * self.sensitivity / 2)),
+    "wrong-sampling-rate": (PoissonSampler, "__init__", _undercounting_sampler),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(BROKEN))
+@pytest.mark.parametrize("algorithm", ["dp-sgd", "disk-adam", "dp-grape", "dp-galore"])
+def test_broken_variant_exceeds_its_claim(algorithm, variant, monkeypatch):
+    monkeypatch.setattr(*BROKEN[variant])
+    spec = spec_for(algorithm)
+    result = audit(algorithm, spec)
+    assert result.epsilon_claimed == pytest.approx(spec.epsilon, rel=0.01)  # the ledger does not see the bug
+    assert result.violated and result.epsilon_lower > 1.2 * result.epsilon_claimed
+
+
+@pytest.mark.parametrize("setup,algorithm", [(DiracRows(), "dp-adam"), (ProjectedDirac(), "dp-grape")])
+def test_canary_observations_follow_the_mechanism(setup, algorithm):
+    """Out canaries see noise alone, N(0, z^2); in canaries see +1 clip bound in a fraction q of the steps:
+    the observations are the release in units of the clip bound, at the canary's own coordinates."""
+    spec = AuditSpec(canaries=20000, steps=3)
+    present = torch.arange(20000) % 2 == 0
+    x, privatizer = setup.observations(algorithm, spec, present)
+    z, q = privatizer.noise.noise_multiplier, spec.sample_rate
+    out, inside = x[~present].double(), x[present].double()
+    se = z / math.sqrt(out.numel())
+    assert abs(float(out.mean())) < 5 * se
+    assert float(out.std()) == pytest.approx(z, rel=0.03)
+    assert float(inside.mean()) == pytest.approx(q, abs=5 * se)
+    assert privatizer.ledger.steps == spec.steps
+    # Independent trials: neighbouring canaries and consecutive steps are uncorrelated.
+    for a, b in ((out[:-1, 0], out[1:, 0]), (out[:, 0], out[:, 1])):
+        assert abs(float(torch.corrcoef(torch.stack([a, b]))[0, 1])) < 5 / math.sqrt(len(a))
+
+
+def test_cli_audit_json(capsys):
+    assert main(["audit", "--algorithm", "dp-sgd", "--canaries", "100000", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"epsilon_claimed", "epsilon_lower", "confidence"}
+    assert out["confidence"] == 0.95
+    assert 0 < out["epsilon_lower"] < out["epsilon_claimed"] <= 2.0
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("canaries", 10, "at least 100 canaries"),
+    ("confidence", 1.0, "confidence must lie in (0, 1)"),
+    ("calibration", 0.0, "calibration fraction must lie in (0, 1)"),
+    ("canary_norm", 0.5, "canaries must reach the clip bound"),
+    ("steps", 0, "steps >= 1"),
+    ("sample_rate", 1.5, "sampling rate must lie in (0, 1]"),
+    ("epsilon", -1.0, "epsilon must be a finite number > 0"),
+])
+def test_bad_audit_spec(field, value, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        AuditSpec(**{field: value})
+
+
+def test_calibration_split_needs_both_kinds_of_canary():
+    with pytest.raises(ValueError, match="calibration canaries must include both present and absent ones"):
+        audit("dp-sgd", AuditSpec(canaries=100, calibration=0.005))
+
+
+def test_algorithm_without_audit_setup(monkeypatch, capsys):
+    monkeypatch.setitem(ALGORITHMS, "dp-new", ALGORITHMS["dp-sgd"])
+    with pytest.raises(ValueError, match="'dp-new' has no audit setup; register one with dpopt.audit.register_audit"):
+        audit("dp-new")
+    with pytest.raises(SystemExit) as e:
+        main(["audit", "--algorithm", "dp-new"])
+    assert e.value.code == 2 and "has no audit setup" in capsys.readouterr().err

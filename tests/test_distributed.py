@@ -1,0 +1,110 @@
+"""Data-parallel DP on torch.distributed: two gloo processes reproduce one process (parameters to float
+tolerance, epsilon and ledger exactly) for recipes whose statistics have different shapes; noise is added
+once; secret randomness drawn on rank 0 keeps the ranks identical even in secure mode."""
+
+import pytest
+import torch
+from helpers import mlp_loss
+from torch import nn
+
+from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
+from dpopt.clipping import Clipping
+from dpopt.data.samplers import PoissonSampler
+from dpopt.grad.engine import PerExampleEngine
+from dpopt.noise.gaussian import GaussianNoise
+from dpopt.noise.rng import SecretStream
+from dpopt.privacy import PrivacyLedger
+from dpopt.cli import main
+from dpopt.distributed import DataParallel, launch
+from dpopt.train import TrainConfig, train
+
+BASE = dict(model="mlp", epochs=1, noise_multiplier=1.0, accountant="rdp")
+CONFIGS = {
+    "dp-sgd": TrainConfig(algorithm="dp-sgd", hp=Hyperparameters(lr=0.5, momentum=0.9), **BASE),
+    "disk-adam": TrainConfig(algorithm="disk-adam", hp=Hyperparameters(lr=0.01), **BASE),  # two-point statistic
+    "dp-grape": TrainConfig(algorithm="dp-grape", hp=Hyperparameters(lr=0.01, rank=8), **BASE),  # projected
+    "shuffle": TrainConfig(algorithm="dp-adam", sampling="shuffle", hp=Hyperparameters(lr=0.01), **BASE),
+}
+
+
+def quiet(_):
+    pass
+
+
+def _secure_steps(parallel: DataParallel | None, steps: int = 4) -> list[torch.Tensor]:
+    """A few secure-mode DP-SGD steps (batch and noise from OS entropy), without the trainer's
+    start-of-run parameter broadcast."""
+    torch.manual_seed(0)
+    model, data = nn.Linear(8, 3), (torch.randn(64, 8), torch.randint(0, 3, (64,)))
+    clipping = Clipping(1.0)
+    privatizer = Privatizer(clipping, GaussianNoise(1.0, 1.0, SecretStream(None, "noise")),
+                            PoissonSampler(64, 0.25, SecretStream(None, "sampling")), PrivacyLedger(), parallel)
+    opt = build_algorithm("dp-sgd", PerExampleEngine(model, mlp_loss), privatizer, Hyperparameters(lr=0.5))
+    for _ in range(steps):
+        opt.step(data)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _each_config(parallel: DataParallel, folder) -> None:
+    for name, config in CONFIGS.items():
+        metrics = train(config, folder / name, progress=False, log=quiet, parallel=parallel)
+        torch.save(metrics, folder / f"{name}.rank{parallel.rank}.pt")
+    torch.save(_secure_steps(parallel), folder / f"secure.rank{parallel.rank}.pt")
+    sampler = PoissonSampler(1000, 0.05, SecretStream(None, "sampling"))
+    torch.save([parallel.share(sampler, t) for t in range(20)], folder / f"shares.rank{parallel.rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ddp")
+    launch(2, _each_config, folder)
+    return folder
+
+
+@pytest.mark.parametrize("name", ["dp-sgd", "disk-adam", "dp-grape", "shuffle"])
+def test_two_processes_match_one(two_processes, name, tmp_path):
+    torch.set_num_threads(1)
+    one = train(CONFIGS[name], tmp_path, progress=False, log=quiet)
+    two = torch.load(two_processes / f"{name}.rank0.pt", weights_only=False)
+    other = torch.load(two_processes / f"{name}.rank1.pt", weights_only=False)
+    assert two["epsilon"] == one["epsilon"] and two["ledger"] == one["ledger"] == other["ledger"]
+    assert two["steps"] == one["steps"] == other["steps"] > 0
+    a = torch.load(tmp_path / "checkpoint.pt")["model"]
+    b = torch.load(two_processes / name / "checkpoint.pt")["model"]
+    for k in a:  # only summation order differs; noise added twice or a different batch would be far off
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
+    for h1, h2 in zip(one["history"], two["history"]):
+        assert h2["train_loss"] == pytest.approx(h1["train_loss"], rel=1e-6)
+        assert h2["test_accuracy"] == pytest.approx(h1["test_accuracy"], abs=2 / 360)
+
+
+def test_secure_mode_keeps_the_ranks_identical(two_processes):
+    """OS entropy differs per process: the batch and the noise must come from rank 0 only."""
+    a, b = (torch.load(two_processes / f"secure.rank{r}.pt") for r in (0, 1))
+    start = _secure_steps(None, steps=0)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not any(torch.equal(x, s) for x, s in zip(a, start))  # and they did train
+
+
+def test_the_ranks_share_one_global_poisson_batch(two_processes):
+    """Secure mode: the shares are the two halves of ONE sorted draw (rank 0's), not halves of two draws."""
+    first, second = (torch.load(two_processes / f"shares.rank{r}.pt") for r in (0, 1))
+    for a, b in zip(first, second):
+        assert abs(len(a) - len(b)) <= 1
+        assert len(a) == 0 or len(b) == 0 or int(a.max()) < int(b.min())
+    assert sum(len(a) + len(b) for a, b in zip(first, second)) == pytest.approx(20 * 50, rel=0.2)
+
+
+def test_only_rank_zero_writes(two_processes):
+    assert sorted(p.name for p in (two_processes / "dp-sgd").iterdir()) == ["checkpoint.pt", "metrics.json"]
+
+
+def test_bad_parallel_input(monkeypatch, capsys):
+    with pytest.raises(ValueError, match="process group"):
+        DataParallel()
+    with pytest.raises(ValueError, match="number of processes"):
+        launch(0, print)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):
+        main(["train", "--nproc", "2", "--epochs", "1"])
+    assert "drop --nproc" in capsys.readouterr().err
