@@ -19,6 +19,7 @@ from dpopt.data.samplers import SAMPLINGS
 from dpopt.distributed import DataParallel, from_environment, launch
 from dpopt.grad.engine import MODES, STRATEGIES
 from dpopt.models import MODELS
+from dpopt.noise.mechanisms import NOISES
 from dpopt.privacy import (AccountingError, FixedParticipation, GaussianRelease, PoissonSampling, Relation,
                            epsilon_of, noise_multiplier_for)
 from dpopt.train import TrainConfig, resume, train
@@ -61,8 +62,13 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
             p.add_argument(flag, type=type(default), default=default, help=f.metadata["help"])
     p.add_argument("--seed", type=int, default=d.seed, help="public seed; the secret noise seed is derived from it")
     p.add_argument("--secure", action="store_true", help="draw noise and batches from OS entropy (not reproducible)")
-    p.add_argument("--sampling", default=d.sampling, choices=SAMPLINGS,
-                   help="poisson (amplified accounting) or shuffle/fixed (accounted without amplification)")
+    p.add_argument("--sampling", default=d.sampling, choices=["auto", *SAMPLINGS],
+                   help="poisson (amplified accounting) or shuffle/fixed (accounted without amplification); "
+                   "auto: poisson for gaussian noise, fixed for correlated noise")
+    p.add_argument("--noise", default=d.noise, choices=["auto", *NOISES],
+                   help="noise mechanism: gaussian (iid) or correlated (tree, sqrt, banded, mf; need fixed-order "
+                   "batches); auto: the algorithm's own (dp-ftrl: tree, dp-memf/dp-srg-memf: mf, "
+                   "accel-dp-srgd/dp-srgd: tree, others: gaussian)")
     p.add_argument("--accountant", default=d.accountant, choices=["pld", "rdp"])
     p.add_argument("--relation", default=d.relation, choices=[r.value for r in Relation])
     p.add_argument("--per-example", default=d.per_example, choices=MODES,

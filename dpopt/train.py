@@ -12,6 +12,7 @@ steps and its resumed history (losses, evaluations) is the uninterrupted run's. 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -25,15 +26,18 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from dpopt.algorithms import ALGORITHMS, DPOptimizer, Hyperparameters, Privatizer, build_algorithm
+from dpopt.algorithms import (ALGORITHMS, DECAYED_WORKLOAD, DEFAULT_NOISE, DPOptimizer, Hyperparameters, Privatizer,
+                              build_algorithm)
 from dpopt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, write_atomic
 from dpopt.clipping import Clipping
 from dpopt.data.datasets import DATASETS, Dataset, labels_of, load_dataset
-from dpopt.data.samplers import SAMPLINGS, make_sampler, sampler_state, take
+from dpopt.data.samplers import SAMPLINGS, Sampler, make_sampler, sampler_state, take
 from dpopt.distributed import DataParallel
 from dpopt.grad.engine import MODES, STRATEGIES, PerExampleEngine, check_per_example
 from dpopt.models import MODELS, build_model
+from dpopt.noise.correlated import CorrelatedNoise
 from dpopt.noise.gaussian import GaussianNoise
+from dpopt.noise.mechanisms import NOISES, build_noise
 from dpopt.noise.rng import SecretStream, derive_seed
 from dpopt.privacy import PoissonSampling, PrivacyLedger, Relation, check_budget, noise_multiplier_for
 from dpopt.privacy.ledger import ACCOUNTANTS
@@ -54,7 +58,8 @@ class TrainConfig:
     clipping: str = "flat"
     seed: int = 0
     secure: bool = False
-    sampling: str = "poisson"
+    sampling: str = "auto"  # poisson for iid noise, fixed for correlated noise
+    noise: str = "auto"  # the recipe's mechanism (DEFAULT_NOISE)
     accountant: str = "pld"
     relation: str = "add-remove"
     per_example: str = "hooks"
@@ -65,8 +70,8 @@ class TrainConfig:
 
     def validate(self) -> None:
         for name, known in [("algorithm", ALGORITHMS), ("dataset", DATASETS), ("model", MODELS),
-                            ("sampling", SAMPLINGS), ("per_example", MODES), ("strategy", STRATEGIES),
-                            ("accountant", ACCOUNTANTS)]:
+                            ("sampling", ("auto", *SAMPLINGS)), ("noise", ("auto", *NOISES)),
+                            ("per_example", MODES), ("strategy", STRATEGIES), ("accountant", ACCOUNTANTS)]:
             if getattr(self, name) not in known:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(sorted(known))}")
         if (self.epsilon is None) == (self.noise_multiplier is None):
@@ -84,6 +89,16 @@ class TrainConfig:
                              f"got {self.checkpoint_every}")
         Relation(self.relation)
         Clipping(self.clip, self.clipping)
+
+    @property
+    def noise_kind(self) -> str:
+        return DEFAULT_NOISE.get(self.algorithm, "gaussian") if self.noise == "auto" else self.noise
+
+    @property
+    def sampling_kind(self) -> str:
+        if self.sampling != "auto":
+            return self.sampling
+        return "poisson" if self.noise_kind == "gaussian" else "fixed"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -154,19 +169,37 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel:
     check_per_example(model, classification_loss, take(data.train, torch.arange(min(8, n))))
 
     secret_seed = None if config.secure else config.seed
-    sampler = make_sampler(config.sampling, n, config.batch_size, SecretStream(secret_seed, "sampling"))
+    sampler = make_sampler(config.sampling_kind, n, config.batch_size, SecretStream(secret_seed, "sampling"))
     total = config.epochs * sampler.steps_per_epoch
-    z = config.noise_multiplier
-    if z is None:
-        z = noise_multiplier_for(config.epsilon, config.delta, sampler.participation, total,
-                                 config.accountant, config.relation)
-        log(f"calibrated noise multiplier {z:.4f} for ({config.epsilon}, {config.delta})-DP over {total} steps")
     clipping = Clipping(config.clip, config.clipping)
     ledger = PrivacyLedger(config.relation, config.accountant)
-    noise = GaussianNoise(z, clipping.sensitivity, SecretStream(secret_seed, "noise"))
+    noise = build_run_noise(config, sampler, total, clipping.sensitivity, SecretStream(secret_seed, "noise"), log)
     privatizer = Privatizer(clipping, noise, sampler, ledger, parallel)
     optimizer = build_algorithm(config.algorithm, engine, privatizer, config.hp)
     return Run(config, data, model, optimizer, sampler, ledger, total)
+
+
+def build_run_noise(config: TrainConfig, sampler: Sampler, total: int, clip: float, stream: SecretStream,
+                    log: Callable[[str], None] = print) -> GaussianNoise | CorrelatedNoise:
+    """The run's noise mechanism (``config.noise_kind``), calibrated to ``config.epsilon`` if given. Correlated
+    noise is built for the whole run (``total`` steps, examples recurring every epoch) and refuses a sampling
+    its sensitivity does not cover before anything is calibrated."""
+    kind, hp = config.noise_kind, config.hp
+    true = hp.workload == "true"
+    noise = build_noise(kind, 0.0, clip, stream, total, sampler.steps_per_epoch, hp.tree_decoder, hp.bands,
+                        hp.momentum if true else 0.0,
+                        hp.decay if true and config.algorithm in DECAYED_WORKLOAD else 0.0)
+    release = None
+    if isinstance(noise, CorrelatedNoise):
+        release = functools.partial(noise.whole_run, participation=sampler.participation)
+        release(1.0)
+    z = config.noise_multiplier
+    if z is None:
+        z = noise_multiplier_for(config.epsilon, config.delta, sampler.participation, total, config.accountant,
+                                 config.relation, release)
+        log(f"calibrated noise multiplier {z:.4f} for ({config.epsilon}, {config.delta})-DP over {total} steps "
+            f"({kind} noise)")
+    return noise.calibrated(z) if isinstance(noise, CorrelatedNoise) else GaussianNoise(z, clip, stream)
 
 
 def _state(run: Run, history: list[dict[str, Any]], wall: float, cpu: float, epoch_losses: list[float],
@@ -265,6 +298,7 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     metrics = {
         "algorithm": config.algorithm, "dataset": config.dataset, "model": config.model,
+        "noise": config.noise_kind, "sampling": config.sampling_kind,
         "test_accuracy": history[-1]["test_accuracy"], "epsilon": run.ledger.epsilon(config.delta),
         "delta": config.delta, "steps": run.optimizer.steps, "epochs": config.epochs,
         "noise_multiplier": run.optimizer.privatizer.noise.noise_multiplier,

@@ -16,7 +16,8 @@ from dpopt.cli import main
 from dpopt.data import datasets
 from dpopt.data.samplers import PoissonSampler
 from dpopt.noise.rng import SecretStream
-from dpopt.privacy import FixedParticipation, GaussianRelease, PoissonSampling, epsilon_of, noise_multiplier_for
+from dpopt.privacy import (FixedOrderParticipation, FixedParticipation, GaussianRelease, PoissonSampling, epsilon_of,
+                           noise_multiplier_for)
 from dpopt.train import TrainConfig, resume, train
 
 QUICK = dict(epochs=2, batch_size=128, epsilon=2.0)
@@ -202,8 +203,8 @@ def test_shuffled_and_fixed_batches_are_accounted_without_amplification(sampling
     m = train(TrainConfig(epochs=2, epsilon=2.0, sampling=sampling), progress=False, log=quiet)
     period = -(-1437 // 128)
     assert m["steps"] == 2 * period and m["sample_rate"] is None
-    assert m["ledger"]["entries"] == [GaussianRelease(m["noise_multiplier"], FixedParticipation(period),
-                                                      m["steps"]).to_dict()]
+    participation = (FixedOrderParticipation if sampling == "fixed" else FixedParticipation)(period)
+    assert m["ledger"]["entries"] == [GaussianRelease(m["noise_multiplier"], participation, m["steps"]).to_dict()]
     assert 0.99 * 2.0 <= m["epsilon"] <= 2.0
     poisson_z = noise_multiplier_for(2.0, 1e-5, PoissonSampling(128 / 1437), m["steps"])
     assert m["noise_multiplier"] > 2 * poisson_z, "no amplification may be assumed"

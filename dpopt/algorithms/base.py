@@ -24,6 +24,7 @@ import torch
 from dpopt.clipping import Clipping, ClipStats, clip_and_sum
 from dpopt.data.samplers import PoissonSampler, Sampler, take
 from dpopt.grad.engine import PerExampleEngine, PerExampleGradients, batch_size_of
+from dpopt.noise.correlated import CorrelatedNoise
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.privacy.ledger import PoissonSampling, PrivacyLedger
 from dpopt.transforms.base import Transform
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 @dataclass
 class Privatizer:
     clipping: Clipping
-    noise: GaussianNoise
+    noise: GaussianNoise | CorrelatedNoise
     sampler: Sampler
     ledger: PrivacyLedger
     parallel: DataParallel | None = None
@@ -48,6 +49,7 @@ class Privatizer:
                              "dpopt's PoissonSampler provides; account it with FixedParticipation instead")
         if not self.sampler.normalizer > 0:
             raise ValueError(f"the batch normaliser must be > 0, got {self.sampler.normalizer}")
+        self.noise.release(self.sampler.participation)  # a mechanism refuses a sampling it cannot account
 
     def __call__(self, grads: PerExampleGradients | None, shapes: Sequence[torch.Size], device: torch.device,
                  step: int) -> tuple[list[torch.Tensor], ClipStats]:
@@ -143,11 +145,14 @@ class DPOptimizer:
         self.base.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict[str, Any]:
+        noise = getattr(self.privatizer.noise, "state_dict", None)  # correlated noise's secure-mode state
         return {"steps": self.steps, "base": self.base.state_dict(),
-                "transforms": [t.state_dict() for t in self.transforms]}
+                "transforms": [t.state_dict() for t in self.transforms], "noise": noise() if noise else {}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps = state["steps"]
         self.base.load_state_dict(state["base"])
         for t, s in zip(self.transforms, state["transforms"]):
             t.load_state_dict(s)
+        if hasattr(self.privatizer.noise, "load_state_dict"):
+            self.privatizer.noise.load_state_dict(state.get("noise", {}))

@@ -15,6 +15,10 @@ def hyper(default, help: str):  # noqa: A002
     return field(default=default, metadata={"help": help})
 
 
+WORKLOADS = ("ones", "true")
+TREE_DECODERS = ("sum", "least-squares")
+
+
 @dataclass(frozen=True)
 class Hyperparameters:
     """The optimisation hyper-parameters of every recipe; each becomes a ``dpopt train`` flag.
@@ -30,6 +34,14 @@ class Hyperparameters:
     rank: int = hyper(16, "projection rank r (dp-grape, dp-galore)")
     subspace_every: int = hyper(100, "refresh the projection subspace every F steps (dp-grape, dp-galore)")
     projection_seed: int = hyper(0, "public seed of DP-GRAPE's random projections (safe to publish)")
+    decay: float = hyper(math.exp(-2.5), "SRG decay c: statistic grad(x_t) - c grad(x_t-1), running sum "
+                         "g_t = c g_t-1 + noisy increment (dp-srg-memf; 0 is dp-memf)")
+    radius: float = hyper(0.0, "L2-ball constraint radius around the initial point, 0 for none "
+                          "(accel-dp-srgd, dp-srgd; there lr is 1/beta)")
+    workload: str = hyper("ones", "workload the optimised factorization targets (--noise mf, banded): ones "
+                          "(prefix sums) or true (with --momentum and, for dp-srg-memf, --decay)")
+    bands: int = hyper(0, "bands of --noise banded/sqrt (0: one epoch's steps for banded, all for sqrt)")
+    tree_decoder: str = hyper("sum", "--noise tree: sum (dyadic decomposition) or least-squares")
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
@@ -40,15 +52,31 @@ class Hyperparameters:
             raise ValueError(f"weight decay must be >= 0, got {self.weight_decay}")
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"Adam betas must lie in [0, 1), got {self.betas}")
+        if not 0.0 <= self.decay < 1.0:
+            raise ValueError(f"the SRG decay c must lie in [0, 1), got {self.decay}")
+        if not (math.isfinite(self.radius) and self.radius >= 0.0):
+            raise ValueError(f"the constraint radius must be a finite number >= 0 (0: unconstrained), "
+                             f"got {self.radius}")
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"unknown workload {self.workload!r}; choose one of {', '.join(WORKLOADS)}")
+        if self.bands < 0:
+            raise ValueError(f"bands must be >= 0 (0: the mechanism's default), got {self.bands}")
+        if self.tree_decoder not in TREE_DECODERS:
+            raise ValueError(f"unknown tree decoder {self.tree_decoder!r}; choose one of {', '.join(TREE_DECODERS)}")
 
 
 Recipe = Callable[[PerExampleEngine, Privatizer, Hyperparameters], DPOptimizer]
 ALGORITHMS: dict[str, Recipe] = {}
+DEFAULT_NOISE: dict[str, str] = {}  # a recipe's noise mechanism unless --noise says otherwise
+DECAYED_WORKLOAD: set[str] = set()  # recipes that privatize SRG increments: their "true" workload has --decay
 
 
-def register(name: str) -> Callable[[Recipe], Recipe]:
+def register(name: str, noise: str = "gaussian", decayed: bool = False) -> Callable[[Recipe], Recipe]:
     def add(recipe: Recipe) -> Recipe:
         ALGORITHMS[name] = recipe
+        DEFAULT_NOISE[name] = noise
+        if decayed:
+            DECAYED_WORKLOAD.add(name)
         return recipe
 
     return add

@@ -15,7 +15,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from dpopt.noise.rng import SecretStream
-from dpopt.privacy.ledger import FixedParticipation, Participation, PoissonSampling
+from dpopt.privacy.ledger import FixedOrderParticipation, FixedParticipation, Participation, PoissonSampling
 
 
 class Sampler(Protocol):
@@ -74,7 +74,8 @@ class ShuffleSampler:
         if not 1 <= batch_size <= dataset_size:
             raise ValueError(f"batch size must lie in [1, {dataset_size}] (the dataset size), got {batch_size}")
         self.dataset_size, self.batch_size, self.stream, self.shuffle = dataset_size, batch_size, stream, shuffle
-        self.participation: Participation = FixedParticipation(self.steps_per_epoch)
+        self.participation: Participation = (FixedParticipation if shuffle else FixedOrderParticipation)(
+            self.steps_per_epoch)
 
     @property
     def normalizer(self) -> float:
@@ -92,8 +93,9 @@ class ShuffleSampler:
 
 
 def FixedOrderSampler(dataset_size: int, batch_size: int, stream: SecretStream) -> ShuffleSampler:
-    """Consecutive batches in dataset order, cycling over epochs (each example every
-    ``steps_per_epoch`` steps), as matrix-factorization mechanisms require."""
+    """Consecutive batches in dataset order, cycling over epochs: the example at position j of an epoch is in
+    the steps j, j + b, j + 2b, ... (b = ``steps_per_epoch``; ``FixedOrderParticipation``), as correlated
+    noise (tree, matrix factorizations) over several epochs requires; one epoch is single participation."""
     return ShuffleSampler(dataset_size, batch_size, stream, shuffle=False)
 
 

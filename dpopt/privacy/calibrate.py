@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from typing import Callable
 
-from dpopt.privacy.ledger import COARSE, FINE, GaussianRelease, Participation, Relation, epsilon_of
+from dpopt.privacy.ledger import COARSE, FINE, GaussianRelease, Participation, Relation, Release, epsilon_of
 
 # The returned noise gives epsilon in [TIGHTNESS * target, target].
 TIGHTNESS = 0.995
@@ -19,9 +20,12 @@ def check_budget(epsilon: float, delta: float) -> None:
 
 
 def noise_multiplier_for(epsilon: float, delta: float, participation: Participation, steps: int,
-                         accountant: str = "pld", relation: Relation | str = Relation.ADD_REMOVE) -> float:
+                         accountant: str = "pld", relation: Relation | str = Relation.ADD_REMOVE,
+                         release: Callable[[float], Release] | None = None) -> float:
     """The noise multiplier z (noise std / clip bound) such that ``steps`` releases with this participation
-    are (epsilon, delta)-DP, with epsilon(z) in [0.995 * epsilon, epsilon].
+    are (epsilon, delta)-DP, with epsilon(z) in [0.995 * epsilon, epsilon]. ``release(z)``, if given, is the
+    whole run's release at multiplier z for another mechanism (e.g. correlated noise's ``whole_run``); by
+    default it is ``GaussianRelease(z, participation, steps)``.
 
     Epsilon decreases in z, so this is a bisection on log z: first with the coarse (pessimistic) PLD, whose
     answer is a valid upper end, then with the accountant's own precision inside that bracket.
@@ -31,7 +35,8 @@ def noise_multiplier_for(epsilon: float, delta: float, participation: Participat
         raise ValueError(f"steps must be >= 1, got {steps}")
 
     def eps(z: float, interval: float) -> float:
-        return epsilon_of([GaussianRelease(z, participation, steps)], delta, accountant, relation, interval)
+        run = GaussianRelease(z, participation, steps) if release is None else release(z)
+        return epsilon_of([run], delta, accountant, relation, interval)
 
     lo, hi = 0.5, 1.0
     while eps(hi, COARSE) > epsilon:

@@ -69,7 +69,25 @@ class FixedParticipation:
             raise ValueError(f"participation period must be >= 1 step, got {self.period}")
 
 
+@dataclass(frozen=True)
+class FixedOrderParticipation(FixedParticipation):
+    """A fixed public order: the example at position j of an epoch is in the batches of steps j, j + period,
+    j + 2 period, ... and nowhere else. Accounted like FixedParticipation by iid noise; correlated noise
+    (tree, matrix factorizations) over several epochs needs exactly this pattern for its sensitivity."""
+
+
 Participation = Union[PoissonSampling, FixedParticipation]
+_PARTICIPATIONS = {"poisson": PoissonSampling, "fixed": FixedParticipation, "fixed-order": FixedOrderParticipation}
+
+
+def participation_to_dict(part: Participation) -> dict[str, Any]:
+    kind = next(k for k, cls in _PARTICIPATIONS.items() if type(part) is cls)
+    return {"kind": kind, **asdict(part)}
+
+
+def participation_from_dict(data: dict[str, Any]) -> Participation:
+    p = dict(data)
+    return _PARTICIPATIONS[p.pop("kind")](**p)
 
 
 class Release:
@@ -82,6 +100,10 @@ class Release:
 
     def same_mechanism(self, other: "Release") -> bool:
         return type(self) is type(other) and replace(self, steps=0) == replace(other, steps=0)  # type: ignore
+
+    def merge(self, other: "Release") -> "Release":
+        """This entry followed by ``other`` (a ``same_mechanism`` release) as one entry."""
+        return replace(self, steps=self.steps + other.steps)  # type: ignore[type-var]
 
     def dp_event(self, accountant: str, relation: Relation) -> dpa.DpEvent:
         raise NotImplementedError
@@ -148,16 +170,12 @@ class GaussianRelease(Release):
                                                neighboring_relation=_relation(relation))
 
     def to_dict(self) -> dict[str, Any]:
-        kind = "poisson" if isinstance(self.participation, PoissonSampling) else "fixed"
         return {"mechanism": self.mechanism, "noise_multiplier": self.noise_multiplier, "steps": self.steps,
-                "participation": {"kind": kind, **asdict(self.participation)}}
+                "participation": participation_to_dict(self.participation)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "GaussianRelease":
-        p = dict(data["participation"])
-        kind = p.pop("kind")
-        part: Participation = PoissonSampling(**p) if kind == "poisson" else FixedParticipation(**p)
-        return cls(data["noise_multiplier"], part, data["steps"])
+        return cls(data["noise_multiplier"], participation_from_dict(data["participation"]), data["steps"])
 
 
 ACCOUNTANTS = ("pld", "rdp")
@@ -243,8 +261,7 @@ class PrivacyLedger:
         """Append one release; refuses up front a release the accountant could not account for."""
         release.dp_event(self.accountant, self.relation)
         if self.entries and self.entries[-1].same_mechanism(release):
-            last = self.entries[-1]
-            self.entries[-1] = replace(last, steps=last.steps + release.steps)  # type: ignore[type-var]
+            self.entries[-1] = self.entries[-1].merge(release)
         else:
             self.entries.append(release)
 

@@ -23,6 +23,9 @@ def privacy_statement(ledger: PrivacyLedger, delta: float, dataset_size: int | N
              f" (accountant: {ledger.accountant.upper()}"
              + (f"; {other.upper()} gives epsilon {eps_other:.4g}" if eps_other is not None else "") + ")."]
     for e in ledger.entries:
+        if hasattr(e, "describe"):
+            lines.append(f"  - {e.describe(unit)}.")
+            continue
         part = e.participation
         if isinstance(part, PoissonSampling):
             how = f"Poisson sampling at rate {part.rate:.4g}"

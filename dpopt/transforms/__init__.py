@@ -2,5 +2,7 @@
 
 from dpopt.transforms.base import Transform
 from dpopt.transforms.kalman import KalmanFilter
+from dpopt.transforms.nesterov import AcceleratedSRG
+from dpopt.transforms.srg import RecursiveGradient
 
-__all__ = ["KalmanFilter", "Transform"]
+__all__ = ["AcceleratedSRG", "KalmanFilter", "RecursiveGradient", "Transform"]

@@ -1,0 +1,46 @@
+"""Recipes with correlated noise (Choquette-Choo et al. 2024, spec ``dp_srgd.md``). Each picks a default
+noise mechanism (``--noise`` overrides it); all need fixed-order batches.
+
+* ``dp-ftrl`` — SGD (with optional momentum) on tree-aggregated noise (Kairouz et al. 2021; Sec. 2.4).
+* ``dp-memf`` — Alg. 2: momentum SGD on matrix-factorization noise optimised for the run's epochs.
+* ``dp-srg-memf`` — Alg. 3: the SRG increment grad(x_t) - c grad(x_t-1) is privatized, the running sum
+  feeds momentum SGD (``transforms.srg``).
+* ``accel-dp-srgd`` — Alg. 1: weighted gradient differences, clipped, with tree noise on their prefix sums
+  and Nesterov's y/z coupling (``transforms.nesterov``); ``lr`` is 1/beta. ``dp-srgd`` is its
+  unaccelerated variant (Sec. 4.3).
+"""
+
+from __future__ import annotations
+
+from dpopt.algorithms.base import DPOptimizer, Privatizer
+from dpopt.algorithms.first_order import BASES
+from dpopt.algorithms.registry import Hyperparameters, register
+from dpopt.grad.engine import PerExampleEngine
+from dpopt.transforms.nesterov import AcceleratedSRG
+from dpopt.transforms.srg import RecursiveGradient
+
+
+def _sgd(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
+    return DPOptimizer(engine, privatizer, BASES["sgd"](engine.params, hp))
+
+
+register("dp-ftrl", noise="tree")(_sgd)
+register("dp-memf", noise="mf")(_sgd)
+
+
+@register("dp-srg-memf", noise="mf", decayed=True)
+def dp_srg_memf(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
+    srg = RecursiveGradient(hp.decay)
+    return DPOptimizer(engine, privatizer, BASES["sgd"](engine.params, hp), transforms=[srg], statistic=srg.statistic)
+
+
+def _srgd(accelerate: bool):
+    def recipe(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
+        coupling = AcceleratedSRG(engine.params, hp.lr, hp.radius, accelerate)
+        return DPOptimizer(engine, privatizer, coupling, statistic=coupling.statistic)
+
+    return recipe
+
+
+register("accel-dp-srgd", noise="tree")(_srgd(True))
+register("dp-srgd", noise="tree")(_srgd(False))

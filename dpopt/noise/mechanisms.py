@@ -1,0 +1,72 @@
+"""The noise stage's mechanisms by name, as ``dpopt train --noise`` chooses them.
+
+``gaussian`` is iid noise (DP-SGD); the others are correlated (``correlated.py``) and need fixed-order
+batches. Factorizations are public and data-independent: they are computed once per process and shape.
+
+| name     | mechanism                                                        | memory per step state |
+|----------|------------------------------------------------------------------|-----------------------|
+| tree     | binary-tree aggregation, ``sum`` or ``least-squares`` decoder      | O(d log T)            |
+| sqrt     | Toeplitz square root of A (optionally cut to ``bands`` bands)      | O(bands d)            |
+| banded   | Toeplitz with ``bands`` bands optimised for the workload (BandMF)  | O(bands d)            |
+| mf       | dense lower-triangular C optimised for the workload, multi-epoch  | O(T d)                |
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from dpopt.noise import factorizations as fz
+from dpopt.noise.correlated import CorrelatedNoise, MatrixNoise, TreeNoise
+from dpopt.noise.gaussian import GaussianNoise
+from dpopt.noise.rng import SecretStream
+
+NOISES = ("gaussian", "tree", "sqrt", "banded", "mf")
+
+
+def workload_name(momentum: float, decay: float) -> str:
+    parts = ([f"momentum {momentum:g}"] if momentum else []) + ([f"decay {decay:g}"] if decay else [])
+    return ", ".join(parts) or "ones"
+
+
+@functools.lru_cache(maxsize=8)
+def factorization(kind: str, steps: int, period: int, bands: int = 0, momentum: float = 0.0,
+                  decay: float = 0.0) -> tuple[torch.Tensor, str]:
+    """The normalised C (sensitivity 1 under fixed-order participation every ``period`` steps) and its name.
+    ``bands`` = 0 means all steps (sqrt) or one epoch's steps (banded)."""
+    if kind == "sqrt":
+        p = bands or steps
+        c = fz.toeplitz(fz.sqrt_coefficients(min(p, steps)), steps)
+        name = "sqrt" if p >= steps else f"sqrt-{p}-bands"
+    elif kind in ("banded", "mf"):
+        w = fz.toeplitz(fz.workload_coefficients(steps, momentum, decay), steps)
+        if kind == "banded":
+            p = bands or min(period, steps)
+            c = fz.toeplitz(fz.optimize_banded(w, p, period), steps)
+            name = f"banded-{p}[{workload_name(momentum, decay)}]"
+        else:
+            c = fz.optimize_dense(w, period)
+            name = f"mf[{workload_name(momentum, decay)}]"
+    else:
+        raise ValueError(f"unknown factorization {kind!r}; choose one of sqrt, banded, mf")
+    return fz.normalize_columns(c, period), name
+
+
+def build_noise(kind: str, noise_multiplier: float, clip: float, stream: SecretStream, horizon: int, period: int,
+                decoder: str = "sum", bands: int = 0, momentum: float = 0.0,
+                decay: float = 0.0) -> GaussianNoise | CorrelatedNoise:
+    """The mechanism ``kind`` for a run of ``horizon`` steps whose examples recur every ``period`` steps
+    (fixed order), calibrated to the clip bound ``clip``. ``momentum``/``decay`` define the workload the
+    optimised factorizations target (0 and 0: prefix sums, the "ones" workload)."""
+    if kind not in NOISES:
+        raise ValueError(f"unknown noise {kind!r}; choose one of {', '.join(NOISES)}")
+    if bands < 0:
+        raise ValueError(f"bands must be >= 0 (0: the default for the mechanism), got {bands}")
+    if kind == "gaussian":
+        return GaussianNoise(noise_multiplier, clip, stream)
+    if kind == "tree":
+        return TreeNoise(noise_multiplier, clip, stream, horizon, period, decoder)
+    c, name = factorization(kind, horizon, period, bands, momentum if kind != "sqrt" else 0.0,
+                            decay if kind != "sqrt" else 0.0)
+    return MatrixNoise(noise_multiplier, clip, stream, c, period, name)
