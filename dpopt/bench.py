@@ -2,12 +2,19 @@
 own process, timed and measured side by side.
 
 * time: median seconds per step over ``steps`` steps after ``warmup`` steps (with ``--repeats R``, the
-  fastest of R such medians, the systems taking turns);
+  fastest of R such medians, the systems taking turns); ``cpu_s_per_step``: the same median in process
+  CPU time, which other processes' load disturbs far less (with ``--threads 1``);
 * memory, ``peak_mb``: the peak of live tensor memory during one more step, like CUDA's
   ``max_memory_allocated``: the tensors alive when the step starts (model, optimizer state, data) plus the
   peak of the running sum of every allocation and free the profiler records during the step. It counts
   what the step needs, independent of allocator caching and of the libraries a system imports;
 * ``rss_mb``: the process's peak resident set size over the timed steps (Linux VmHWM), for reference.
+
+Systems: ``pytorch`` (non-private), ``dpopt`` (DP, ghost norms and book-keeping sums where cheaper),
+``dpopt-materialize`` (DP, every Linear/Conv per-example gradient materialised; embedding rows stay sparse),
+``opacus-hooks`` (every per-example gradient materialised) and ``opacus-ghost``, ``dp-grape`` (projected
+per-example gradients of rank ``--rank``, projected Adam), ``dp-galore`` (naive DP-GaLore) and ``galore``
+(non-private GaLore); the last three use their own projected Adam whatever ``--optimizer`` says.
 
 Workloads: ``cnn`` — the 28x28 Tanh CNN (dpopt.models.cnn) on random images; ``bert`` — a BERT-shaped
 Hugging Face model (6 layers, hidden 384, 12 heads, intermediate 1536: MiniLM's shape, random weights) on
@@ -35,7 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SYSTEMS = ("pytorch", "dpopt", "dpopt-materialize", "opacus-hooks", "opacus-ghost", "dp-grape")
+SYSTEMS = ("pytorch", "dpopt", "dpopt-materialize", "opacus-hooks", "opacus-ghost", "dp-grape", "dp-galore",
+           "galore")
 DEFAULT_SYSTEMS = ("pytorch", "dpopt", "opacus-hooks", "opacus-ghost")
 WORKLOADS = ("cnn", "bert", "minilm")
 
@@ -49,7 +57,8 @@ class Case:
     batch: int
     seq: int = 64
     optimizer: str = "sgd"
-    rank: int = 16  # dp-grape
+    rank: int = 16  # dp-grape, dp-galore, galore
+    threads: int = 2
 
     @property
     def label(self) -> str:
@@ -99,6 +108,7 @@ def _workload(case: Case, system: str) -> tuple[nn.Module, Any, Callable]:
     from dpopt.models import minilm, minilm_random
 
     model = (minilm if case.workload == "minilm" else minilm_random)(Dataset("bench", {"labels": torch.zeros(1)}, None, 2))
+    model.train()  # from_pretrained returns eval mode; fine-tuning (and Opacus) runs in training mode
     data = {"input_ids": torch.randint(0, 30522, (batch, seq)), "attention_mask": torch.ones(batch, seq, dtype=torch.long),
             "labels": torch.randint(0, 2, (batch,))}
     if system.startswith("opacus"):  # the workaround Opacus needs on a stock HF BERT
@@ -132,7 +142,18 @@ def _step_fn(system: str, case: Case, model: nn.Module, dataset: Any, loss: Call
             opt.zero_grad(set_to_none=True)
 
         return step
-    if system in ("dpopt", "dpopt-materialize", "dp-grape"):
+    if system == "galore":  # non-private GaLore (SVD projections of the batch gradient, projected Adam)
+        from dpopt.algorithms.grape import GaLore
+
+        galore = GaLore(model, case.rank, every=100, lr=1e-4)
+
+        def galore_step() -> None:
+            loss(model, take(dataset, index)).mean().backward()
+            galore.step()
+            galore.zero_grad()
+
+        return galore_step
+    if system in ("dpopt", "dpopt-materialize", "dp-grape", "dp-galore"):
         from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
         from dpopt.clipping import Clipping
         from dpopt.data.samplers import FixedOrderSampler
@@ -143,7 +164,7 @@ def _step_fn(system: str, case: Case, model: nn.Module, dataset: Any, loss: Call
 
         privatizer = Privatizer(Clipping(1.0), GaussianNoise(1.0, 1.0, SecretStream(0, "noise")),
                                 FixedOrderSampler(n, n, SecretStream(0, "sampling")), PrivacyLedger())
-        algorithm = "dp-grape" if system == "dp-grape" else f"dp-{case.optimizer}"
+        algorithm = system if system.startswith("dp-") else f"dp-{case.optimizer}"
         engine = PerExampleEngine(model, loss, strategy="materialize" if system == "dpopt-materialize" else "auto")
         opt = build_algorithm(algorithm, engine, privatizer, Hyperparameters(lr=0.01, rank=case.rank))
         opt.verified = True  # the one-time self-check is not part of a training step
@@ -180,19 +201,21 @@ def _step_fn(system: str, case: Case, model: nn.Module, dataset: Any, loss: Call
 
 def worker(system: str, case: Case, warmup: int, steps: int) -> dict[str, float]:
     """Measure one system in this process."""
-    torch.set_num_threads(2)
+    torch.set_num_threads(case.threads)
     model, data, loss = _workload(case, system)
     step = _step_fn(system, case, model, data, loss)
     for _ in range(warmup):
         step()
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
     rss = _rss_mb("VmHWM")
-    return {"s_per_step": statistics.median(times), "peak_mb": peak_tensor_mb(step), "rss_mb": rss}
+    return {"s_per_step": statistics.median(times), "cpu_s_per_step": statistics.median(cpu),
+            "peak_mb": peak_tensor_mb(step), "rss_mb": rss}
 
 
 def measure(system: str, case: Case, warmup: int = 3, steps: int = 10, timeout: float = 3600) -> dict[str, Any]:
@@ -252,7 +275,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int)
     p.add_argument("--seq", type=int, default=64, help="sequence length (bert, minilm)")
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd", help="base optimizer of every system")
-    p.add_argument("--rank", type=int, default=16, help="projection rank of the dp-grape system")
+    p.add_argument("--rank", type=int, default=16, help="projection rank of dp-grape, dp-galore and galore")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of each measured process")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(DEFAULT_SYSTEMS))
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
@@ -268,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
         cases = SUITE if args.suite else SCALING
         systems = tuple(args.systems) if args.suite else ("pytorch", "dpopt")
     elif args.workload and args.batch:
-        cases = [Case(args.workload, args.batch, args.seq, args.optimizer, args.rank)]
+        cases = [Case(args.workload, args.batch, args.seq, args.optimizer, args.rank, args.threads)]
         systems = tuple(args.systems)
     else:
         raise ValueError("give --workload and --batch, or --suite, or --scaling")

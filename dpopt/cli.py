@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from dpopt.algorithms import ALGORITHMS, Hyperparameters
+from dpopt.algorithms import ALGORITHMS, NON_PRIVATE, Hyperparameters
 from dpopt.checkpoint import CheckpointError
 from dpopt.clipping import CLIP_MODES
 from dpopt.data.datasets import DATASETS, DatasetNotFound
@@ -43,7 +43,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=d.model, choices=sorted(MODELS))
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--epsilon", type=float, help=f"target epsilon (default {DEFAULT_EPSILON} unless "
-                        "--noise-multiplier is given); the noise is calibrated to it")
+                        "--noise-multiplier is given, or the algorithm is non-private: "
+                        f"{', '.join(sorted(NON_PRIVATE))}); the noise is calibrated to it")
     budget.add_argument("--noise-multiplier", type=float, help="noise std / clip norm; epsilon is then reported")
     p.add_argument("--delta", type=float, default=d.delta)
     p.add_argument("--epochs", type=_positive_int, default=d.epochs)
@@ -164,6 +165,21 @@ def _bench(args: argparse.Namespace) -> int:
     return bench.run(args)
 
 
+def _add_federated(sub: argparse._SubParsersAction) -> None:
+    from dpopt.federated import cli as federated
+
+    federated.add_arguments(sub.add_parser(
+        "federated", help="federated training with local DP: Clip-SGD, Clip21-SGD, Clip21-SGD2M",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+
+
+@command("federated", _add_federated)
+def _federated(args: argparse.Namespace) -> int:
+    from dpopt.federated import cli as federated
+
+    return federated.run(args)
+
+
 def _add_audit(sub: argparse._SubParsersAction) -> None:
     from dpopt.audit import cli as audit_cli
 
@@ -203,7 +219,8 @@ def _train(args: argparse.Namespace) -> int:
     if not args.resume:
         fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"hp"}
         values = {k: v for k, v in vars(args).items() if k in fields}
-        if values["epsilon"] is None and values["noise_multiplier"] is None:
+        if (values["epsilon"] is None and values["noise_multiplier"] is None
+                and values["algorithm"] not in NON_PRIVATE):
             values["epsilon"] = DEFAULT_EPSILON
         hp = Hyperparameters(**{f.name: tuple(v) if isinstance(v, list) else v
                                 for f in dataclasses.fields(Hyperparameters) for v in [getattr(args, f.name)]})

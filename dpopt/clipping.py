@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
-
-from dpopt.grad.engine import PerExampleGradients
 
 CLIP_MODES = ("flat", "per-layer", "automatic")
 
@@ -70,8 +69,20 @@ class ClipStats:
     nonfinite: int
 
 
-def clip_and_sum(grads: PerExampleGradients, clipping: Clipping) -> tuple[list[torch.Tensor], ClipStats]:
+class PerExampleStatistic(Protocol):
+    """What the clip stage needs of a batch's per-example statistics: per-example gradients
+    (``PerExampleGradients``) or any other per-example vectors, e.g. zeroth-order scalars."""
+
+    batch_size: int
+    groups: list[int]  # per-layer clipping: the group of each statistic tensor
+
+    def sq_norms(self) -> torch.Tensor: ...  # [B, P]: squared norm of each example's part in each tensor
+
+    def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]: ...  # sum_i w_i g_i per tensor
+
+
+def clip_and_sum(grads: PerExampleStatistic, clipping: Clipping) -> tuple[list[torch.Tensor], ClipStats]:
     """The clipped sum sum_i clip(g_i) per parameter, by one weighted contraction per captured term."""
-    w, finite = clipping.weights(grads.sq_norms(), grads.engine.groups)
+    w, finite = clipping.weights(grads.sq_norms(), grads.groups)
     sums = grads.weighted_sum(w)
     return sums, ClipStats(grads.batch_size, int((~finite).sum()))

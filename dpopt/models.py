@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dpopt.data.datasets import Dataset
@@ -58,6 +60,48 @@ def minilm_random(data: Dataset) -> nn.Module:
     return t.BertForSequenceClassification(t.BertConfig(vocab_size=30522, num_labels=data.num_classes, **MINILM_SHAPE))
 
 
+SENTIMENT_PROMPTS = ("This movie is terrible.", "This movie is great.")  # class 0 (rotten), class 1 (fresh)
+
+
+class PromptClassifier(nn.Module):
+    """A sentence encoder used as it embeds sentences (mean pooling over the attention mask, L2 normalisation)
+    with a linear head whose rows start at the embeddings of one prompt per class: at initialisation it is the
+    zero-shot classifier "nearest prompt by cosine", built without training data. The analogue, for a sentence
+    encoder, of the prompt-based start that DPZero and MeZO fine-tune from (DPZero L543; MeZO)."""
+
+    def __init__(self, encoder: nn.Module, prompts: dict, scale: float = 20.0) -> None:
+        super().__init__()
+        self.encoder, self.scale = encoder, scale
+        with torch.no_grad():
+            anchors = self.embed(prompts["input_ids"], prompts["attention_mask"])
+        self.head = nn.Linear(anchors.shape[1], anchors.shape[0], bias=False)
+        with torch.no_grad():
+            self.head.weight.copy_(anchors)
+
+    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        mask = attention_mask.unsqueeze(2).to(hidden.dtype)
+        return F.normalize((hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0), dim=1)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **_) -> torch.Tensor:
+        return self.scale * self.head(self.embed(input_ids, attention_mask))
+
+
+def minilm_prompt(data: Dataset) -> nn.Module:
+    """The pretrained all-MiniLM-L6-v2 as a sentence embedder with a prompt-initialised head (binary movie
+    sentiment: ``SENTIMENT_PROMPTS``)."""
+    from dpopt.data.text import MAX_LENGTH, minilm_path
+
+    if data.num_classes != len(SENTIMENT_PROMPTS):
+        raise ValueError(f"minilm-prompt has prompts for {len(SENTIMENT_PROMPTS)} classes (movie sentiment), "
+                         f"and {data.name} has {data.num_classes}; use --model minilm")
+    t = _quiet_transformers()
+    encoder = t.AutoModel.from_pretrained(minilm_path(), add_pooling_layer=False)
+    prompts = t.AutoTokenizer.from_pretrained(minilm_path())(list(SENTIMENT_PROMPTS), padding="max_length",
+                                                             truncation=True, max_length=MAX_LENGTH, return_tensors="pt")
+    return PromptClassifier(encoder, dict(prompts))
+
+
 def vit_tiny(data: Dataset) -> nn.Module:
     """A small ViT trained from scratch on 28x28 images (patches of 7, 4 layers, hidden 64)."""
     if data.kind != "image" or data.input_shape[1:] != (28, 28):
@@ -71,7 +115,8 @@ def vit_tiny(data: Dataset) -> nn.Module:
 
 IMAGE_MODELS: dict[str, Callable[[tuple[int, ...], int], nn.Module]] = {"logreg": logreg, "mlp": mlp, "cnn": cnn}
 DATA_MODELS: dict[str, tuple[str, Callable[[Dataset], nn.Module]]] = {
-    "minilm": ("text", minilm), "minilm-random": ("text", minilm_random), "vit-tiny": ("image", vit_tiny)}
+    "minilm": ("text", minilm), "minilm-random": ("text", minilm_random), "vit-tiny": ("image", vit_tiny),
+    "minilm-prompt": ("text", minilm_prompt)}
 MODELS = sorted([*IMAGE_MODELS, *DATA_MODELS])
 
 

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from dpopt.algorithms import (ALGORITHMS, DECAYED_WORKLOAD, DEFAULT_NOISE, DPOptimizer, Hyperparameters, Privatizer,
-                              build_algorithm)
+from dpopt.algorithms import (ALGORITHMS, DECAYED_WORKLOAD, DEFAULT_NOISE, NON_PRIVATE, DPOptimizer, Hyperparameters,
+                              Privatizer, build_algorithm)
 from dpopt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, write_atomic
 from dpopt.clipping import Clipping
 from dpopt.data.datasets import DATASETS, Dataset, labels_of, load_dataset
@@ -74,9 +74,14 @@ class TrainConfig:
                             ("per_example", MODES), ("strategy", STRATEGIES), ("accountant", ACCOUNTANTS)]:
             if getattr(self, name) not in known:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(sorted(known))}")
-        if (self.epsilon is None) == (self.noise_multiplier is None):
+        if self.algorithm in NON_PRIVATE:
+            if self.epsilon is not None or self.noise_multiplier not in (None, 0.0):
+                raise ValueError(f"{self.algorithm} is not differentially private (no clipping, no noise), so it "
+                                 "takes no epsilon or noise multiplier: omit them (the run reports epsilon = inf) "
+                                 "or use a private algorithm such as dpzero")
+        elif (self.epsilon is None) == (self.noise_multiplier is None):
             raise ValueError("give exactly one of epsilon (the noise is calibrated to it) or noise_multiplier")
-        if self.epsilon is not None:
+        elif self.epsilon is not None:
             check_budget(self.epsilon, self.delta)
         elif not (math.isfinite(self.noise_multiplier) and self.noise_multiplier > 0):
             raise ValueError(f"noise multiplier must be a finite number > 0, got {self.noise_multiplier}")
@@ -184,6 +189,9 @@ def build_run_noise(config: TrainConfig, sampler: Sampler, total: int, clip: flo
     """The run's noise mechanism (``config.noise_kind``), calibrated to ``config.epsilon`` if given. Correlated
     noise is built for the whole run (``total`` steps, examples recurring every epoch) and refuses a sampling
     its sensitivity does not cover before anything is calibrated."""
+    if config.algorithm in NON_PRIVATE:
+        log(f"{config.algorithm} is NOT differentially private: it releases un-noised statistics (epsilon = inf)")
+        return GaussianNoise(0.0, clip, stream)
     kind, hp = config.noise_kind, config.hp
     true = hp.workload == "true"
     noise = build_noise(kind, 0.0, clip, stream, total, sampler.steps_per_epoch, hp.tree_decoder, hp.bands,

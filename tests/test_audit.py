@@ -10,11 +10,12 @@ import pytest
 import torch
 from scipy.stats import binom, norm
 
-from dpopt.algorithms import ALGORITHMS
+from dpopt.algorithms import ALGORITHMS, NON_PRIVATE
 from dpopt.audit import (AUDIT_SETUPS, AuditSpec, audit, clopper_pearson_upper, epsilon_from_rates,
                          epsilon_lower_bound, threshold_audit)
 from dpopt.audit.canaries import DiracRows, ProjectedDirac
 from dpopt.audit.correlated import CorrelatedRows
+from dpopt.audit.scalar import ScalarRuns
 from dpopt.cli import main
 from dpopt.clipping import Clipping
 from dpopt.data.samplers import PoissonSampler, ShuffleSampler
@@ -101,7 +102,8 @@ def test_bound_uses_both_error_rates():
 
 # The budgets of the tests: delta 1e-5 where the setup holds 10^6 canaries; delta 1e-3 for the projected
 # setup (65536 canaries), whose test point then lies where that many canaries resolve the error rates.
-SPECS = {DiracRows: AuditSpec(), ProjectedDirac: AuditSpec(delta=1e-3), CorrelatedRows: AuditSpec()}
+SPECS = {DiracRows: AuditSpec(), ProjectedDirac: AuditSpec(delta=1e-3), CorrelatedRows: AuditSpec(),
+         ScalarRuns: AuditSpec(canaries=10000, steps=1, delta=1e-2)}  # one run per canary (docs/audit.md)
 
 
 def spec_for(algorithm):
@@ -109,7 +111,7 @@ def spec_for(algorithm):
 
 
 def test_every_algorithm_has_an_audit_setup():
-    missing = sorted(set(ALGORITHMS) - set(AUDIT_SETUPS))
+    missing = sorted(set(ALGORITHMS) - set(AUDIT_SETUPS) - NON_PRIVATE)
     assert not missing, f"register an audit setup for {missing} (dpopt.audit.register_audit; docs/audit.md)"
 
 
@@ -142,7 +144,7 @@ BROKEN = {
 
 
 @pytest.mark.parametrize("variant", sorted(BROKEN))
-@pytest.mark.parametrize("algorithm", ["dp-sgd", "disk-adam", "dp-grape", "dp-galore"])
+@pytest.mark.parametrize("algorithm", ["dp-sgd", "disk-adam", "dp-grape", "dp-galore", "dpzero"])
 def test_broken_variant_exceeds_its_claim(algorithm, variant, monkeypatch):
     monkeypatch.setattr(*BROKEN[variant])
     spec = spec_for(algorithm)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from dpopt.clipping import Clipping, ClipStats, clip_and_sum
+from dpopt.clipping import Clipping, ClipStats, PerExampleStatistic, clip_and_sum
 from dpopt.data.samplers import PoissonSampler, Sampler, take
 from dpopt.grad.engine import PerExampleEngine, PerExampleGradients, batch_size_of
 from dpopt.noise.correlated import CorrelatedNoise
@@ -51,7 +51,7 @@ class Privatizer:
             raise ValueError(f"the batch normaliser must be > 0, got {self.sampler.normalizer}")
         self.noise.release(self.sampler.participation)  # a mechanism refuses a sampling it cannot account
 
-    def __call__(self, grads: PerExampleGradients | None, shapes: Sequence[torch.Size], device: torch.device,
+    def __call__(self, grads: PerExampleStatistic | None, shapes: Sequence[torch.Size], device: torch.device,
                  step: int) -> tuple[list[torch.Tensor], ClipStats]:
         """(sum_i clip(g_i) + N(0, sigma^2 C^2 I)) / normaliser, for statistics of the given shapes;
         ``grads=None`` is an empty batch (noise alone)."""
@@ -78,7 +78,7 @@ class Privatizer:
         return list(values) if self.parallel is None else self.parallel.total(values)
 
 
-Statistic = Callable[[PerExampleEngine, Any], PerExampleGradients]
+Statistic = Callable[[PerExampleEngine, Any], PerExampleStatistic]
 
 
 @dataclass(frozen=True)
@@ -89,21 +89,31 @@ class StepResult:
 
 
 class DPOptimizer:
-    """One private first-order step per call of ``step(batch)``."""
+    """One private step per call of ``step(batch)``: first-order by default; zeroth-order with a recipe's
+    scalar statistic, shapes and directional update (DPZero)."""
 
     def __init__(self, engine: PerExampleEngine, privatizer: Privatizer, base: torch.optim.Optimizer,
-                 transforms: Sequence[Transform] = (), statistic: Statistic | None = None) -> None:
+                 transforms: Sequence[Transform] = (), statistic: Statistic | None = None,
+                 shapes: Sequence[torch.Size] | None = None, verify: bool = True) -> None:
+        """``shapes``: of the privatized statistic, if not the engine's (e.g. one scalar for DPZero);
+        ``verify=False`` for a statistic that does not come from the engine's per-example gradients."""
         self.engine, self.privatizer, self.base = engine, privatizer, base
         self.transforms = list(transforms)
         self._statistic = statistic
+        self._shapes = None if shapes is None else list(shapes)
         self.steps = 0
-        self.verified = False
+        self.verified = not verify
 
     @property
     def params(self) -> list[torch.Tensor]:
         return self.engine.params
 
-    def statistic(self, batch: Any) -> PerExampleGradients:
+    @property
+    def shapes(self) -> list[torch.Size]:
+        """The shapes of the privatized statistic (and of the noise)."""
+        return self.engine.shapes if self._shapes is None else self._shapes
+
+    def statistic(self, batch: Any) -> PerExampleStatistic:
         """The per-example vectors to privatize this step: by default the gradients at the current point;
         a recipe may pass another (e.g. DiSK's two-point mixture)."""
         if self._statistic is not None:
@@ -118,7 +128,7 @@ class DPOptimizer:
             self.engine.verify(batch)  # once: the engine attributes every layer's gradient correctly
             self.verified = True
         grads = self.statistic(batch) if batch_size_of(batch) > 0 else None
-        g, stats = self.privatizer(grads, self.engine.shapes, self.params[0].device, self.steps)
+        g, stats = self.privatizer(grads, self.shapes, self.params[0].device, self.steps)
         for t in self.transforms:
             g = t(g)
         for t in self.transforms:

@@ -8,6 +8,7 @@ from typing import Callable
 
 from dpopt.algorithms.base import DPOptimizer, Privatizer
 from dpopt.grad.engine import PerExampleEngine
+from dpopt.grad.zeroth_order import DIRECTION_LAWS
 
 
 def hyper(default, help: str):  # noqa: A002
@@ -34,6 +35,10 @@ class Hyperparameters:
     rank: int = hyper(16, "projection rank r (dp-grape, dp-galore)")
     subspace_every: int = hyper(100, "refresh the projection subspace every F steps (dp-grape, dp-galore)")
     projection_seed: int = hyper(0, "public seed of DP-GRAPE's random projections (safe to publish)")
+    projection_exclude: str = hyper("head,classifier,lm_head", "comma-separated module-name parts whose Linear "
+                                    "weights are not projected (dp-grape, dp-galore)")
+    reset_moments: bool = hyper(False, "zero the projected Adam moments at every subspace refresh; the paper "
+                                "keeps them (dp-grape, dp-galore)")
     decay: float = hyper(math.exp(-2.5), "SRG decay c: statistic grad(x_t) - c grad(x_t-1), running sum "
                          "g_t = c g_t-1 + noisy increment (dp-srg-memf; 0 is dp-memf)")
     radius: float = hyper(0.0, "L2-ball constraint radius around the initial point, 0 for none "
@@ -42,6 +47,11 @@ class Hyperparameters:
                           "(prefix sums) or true (with --momentum and, for dp-srg-memf, --decay)")
     bands: int = hyper(0, "bands of --noise banded/sqrt (0: one epoch's steps for banded, all for sqrt)")
     tree_decoder: str = hyper("sum", "--noise tree: sum (dyadic decomposition) or least-squares")
+    smoothing: float = hyper(1e-3, "zeroth-order smoothing lambda: losses at x +/- lambda*u (dpzero, dpgd-0th, mezo)")
+    direction: str = hyper("gaussian", "law of the zeroth-order direction u: gaussian N(0, I) or sphere of radius "
+                                       "sqrt(d) (dpzero, dpgd-0th, mezo)")
+    direction_seed: int = hyper(0, "public seed of the zeroth-order directions (dpzero, dpgd-0th, mezo; "
+                                   "safe to publish)")
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
@@ -63,20 +73,28 @@ class Hyperparameters:
             raise ValueError(f"bands must be >= 0 (0: the mechanism's default), got {self.bands}")
         if self.tree_decoder not in TREE_DECODERS:
             raise ValueError(f"unknown tree decoder {self.tree_decoder!r}; choose one of {', '.join(TREE_DECODERS)}")
+        if not (math.isfinite(self.smoothing) and self.smoothing > 0):
+            raise ValueError(f"the smoothing lambda must be a finite number > 0, got {self.smoothing}")
+        if self.direction not in DIRECTION_LAWS:
+            raise ValueError(f"unknown direction law {self.direction!r}; choose one of {', '.join(DIRECTION_LAWS)}")
 
 
 Recipe = Callable[[PerExampleEngine, Privatizer, Hyperparameters], DPOptimizer]
 ALGORITHMS: dict[str, Recipe] = {}
 DEFAULT_NOISE: dict[str, str] = {}  # a recipe's noise mechanism unless --noise says otherwise
 DECAYED_WORKLOAD: set[str] = set()  # recipes that privatize SRG increments: their "true" workload has --decay
+NON_PRIVATE: set[str] = set()  # baselines that release without noise: no privacy target, epsilon = inf
 
 
-def register(name: str, noise: str = "gaussian", decayed: bool = False) -> Callable[[Recipe], Recipe]:
+def register(name: str, noise: str = "gaussian", decayed: bool = False,
+             private: bool = True) -> Callable[[Recipe], Recipe]:
     def add(recipe: Recipe) -> Recipe:
         ALGORITHMS[name] = recipe
         DEFAULT_NOISE[name] = noise
         if decayed:
             DECAYED_WORKLOAD.add(name)
+        if not private:
+            NON_PRIVATE.add(name)
         return recipe
 
     return add

@@ -167,3 +167,16 @@ def load_dataset(name: str, download: bool = False) -> Dataset:
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
     return DATASETS[name](download)
+
+
+def _tabular(name: str) -> Callable[[bool], Dataset]:
+    def load(download: bool) -> Dataset:
+        from dpopt.data import tabular
+
+        return tabular.tabular(name, download)
+
+    return load
+
+
+# Tabular binary sets (dpopt/data/tabular.py): scikit-learn's breast cancer, and Debian's R data packages.
+DATASETS.update({name: _tabular(name) for name in ("breast-cancer", "sonar", "ionosphere", "pima", "golub")})

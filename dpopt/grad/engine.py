@@ -85,6 +85,10 @@ class PerExampleGradients:
         self.engine, self.batch_size, self.terms, self.losses = engine, batch_size, terms, losses
         self.shapes = engine.shapes
 
+    @property
+    def groups(self) -> list[int]:
+        return self.engine.groups
+
     # --- linear combinations -------------------------------------------------------------------
     def _combine(self, other: "PerExampleGradients", a: float, b: float) -> "PerExampleGradients":
         if other.engine is not self.engine or other.batch_size != self.batch_size:
@@ -276,8 +280,13 @@ class PerExampleEngine:
         with torch.no_grad():
             losses = self._check_losses(functional_call(self._wrapper, point, (batch,)), b)
         per_example = loss_gradients(lambda p, x: functional_call(self._wrapper, p, (x,)), point, batch, b)
-        terms = [[(1.0, Dense(per_example["model." + n], p.shape))] for n, p in zip(self.names, self.params)]
+        terms = [[(1.0, self._project(i, Dense(per_example["model." + n], p.shape)))]
+                 for i, (n, p) in enumerate(zip(self.names, self.params))]
         return PerExampleGradients(self, b, terms, losses)
+
+    def _project(self, i: int, c: Capture) -> Capture:
+        """The capture of parameter ``i`` as the statistic wants it: projected if a projection claims it."""
+        return c if self.projection is None or i not in self.projection.sides else self.projection.project(i, c)
 
     def _keep(self, c: Capture) -> Capture:
         if isinstance(c, Outer) and not c.indexed and (
@@ -318,9 +327,7 @@ class PerExampleEngine:
                     g = g.detach() if rows in (1, b) else g.detach().reshape(b, rows // b, *g.shape[1:])
                     for name, cap in unit.rule(module, x, g, wanted).items():
                         i = unit.params[name]
-                        if self.projection is not None and i in self.projection.sides:
-                            cap = self.projection.project(i, cap)
-                        terms[i].append((1.0, self._keep(cap)))
+                        terms[i].append((1.0, self._keep(self._project(i, cap))))
 
                 out.register_hook(on_grad)
                 return out

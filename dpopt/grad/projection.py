@@ -1,70 +1,97 @@
 """Projections of per-example gradients (DP-GRAPE, Algorithm 1, lines 3-9), applied inside backprop.
 
 A projected weight W (out x in) keeps its larger side: with P of shape (min(out, in) x r),
-R_i = P^T G_i (r x in) when out < in ("left"), R_i = G_i P (out x r) otherwise ("right"). Since
-G_i = sum_t g_t (x) a_t, this is the capture with its output-gradient factor (left) or activation factor
-(right) multiplied by P: the engine projects each Linear capture the moment it is made, so neither the
-full per-example gradient nor the unprojected factor is kept. The clipped sum of projected per-example
+R_i = P^T G_i (r x in) when out < in ("left"), R_i = G_i P (out x r) otherwise ("right"; square weights
+too). Since G_i = sum_t g_t (x) a_t, this is the capture with its output-gradient factor (left) or activation
+factor (right) multiplied by P: the engine projects each Linear capture the moment it is made, so neither
+the full per-example gradient nor the unprojected factor is kept. The clipped sum of projected per-example
 gradients is then one contraction of the projected factors, P^T applied to the book-keeping sum: no
-per-example tensor of any kind is kept (the combination the paper lists as future work).
+per-example gradient of any kind is materialised (the combination the paper lists as future work).
+
+What is projected (spec P10): stock ``nn.Linear`` weights that the engine's Linear rule handles, owned by
+one module only (a weight tied to an embedding is not), whose module name has no component listed in
+``exclude`` (the heads by default), and with min(out, in) > r. Embeddings, biases, norms, convolutions and
+everything else keep full per-example gradients, full-size noise and full Adam moments (L90, L187).
 
 ``RandomProjection``: P has iid N(0, 1/r) entries from a *public* generator seeded by (seed, parameter
 name, subspace index), regenerated whenever needed (never stored; one P alive at a time) and refreshed
 every ``every`` steps (subspace k = t // every, so the schedule is defined from step 0). E[P P^T] = I.
-``SVDProjection``: naive DP-GaLore (Algorithm 5): P from the SVD of the *privatized* gradient every
-``every`` steps (post-processing), stored per layer; the statistic is the full gradient.
+``SVDProjection``: GaLore (Algorithm 4, on the batch gradient) and naive DP-GaLore (Algorithm 5, on the
+*privatized* gradient, post-processing): P from the top-r singular vectors every ``every`` steps, stored
+per layer; the statistic is the full gradient.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections import Counter
+from typing import Any, Iterable
 
 import torch
+from torch import nn
 
 from dpopt.grad.captures import Capture, Dense, Outer
 from dpopt.grad.engine import PerExampleEngine
-from dpopt.grad.rules import RULES
+from dpopt.grad.rules import RULES, rule_for
 from dpopt.noise.rng import public_generator
 from dpopt.transforms.base import Transform
 
 EXCLUDE = ("head", "classifier", "lm_head")
 
 
-def projectable(engine: PerExampleEngine, rank: int, exclude: tuple[str, ...] = EXCLUDE) -> dict[int, str]:
-    """Parameter index -> side for every Linear weight worth projecting: used by one layer only (not tied
-    to an embedding), not a head, and with min(out, in) > rank."""
-    uses: dict[int, int] = {}
-    for unit in engine.units:
-        for i in unit.params.values():
-            uses[i] = uses.get(i, 0) + 1
+def parse_exclude(text: str) -> tuple[str, ...]:
+    """``"head,classifier"`` -> ("head", "classifier"): module-name components whose Linear is not projected."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def projectable(model: nn.Module, params: list[torch.Tensor], rank: int, exclude: Iterable[str] = EXCLUDE,
+                layers: Iterable[tuple[str, nn.Module]] | None = None) -> dict[int, str]:
+    """Index in ``params`` -> side, for every Linear weight worth projecting (see the module docstring).
+    ``layers`` restricts the candidates (the engine passes the Linear modules its hooks see)."""
+    exclude = set(exclude)
+    owners = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    index = {id(p): i for i, p in enumerate(params)}
+    if layers is None:
+        layers = [(n, m) for n, m in model.named_modules() if rule_for(m) is RULES[nn.Linear]]
     sides = {}
-    for unit in engine.units:
-        if unit.rule is not RULES[torch.nn.Linear] or "weight" not in unit.params:
+    for name, module in layers:
+        w = module.weight
+        i = index.get(id(w))
+        if i is None or owners[id(w)] > 1 or min(w.shape) <= rank or exclude.intersection(name.split(".")):
             continue
-        i = unit.params["weight"]
-        out_f, in_f = engine.params[i].shape
-        if uses[i] == 1 and min(out_f, in_f) > rank and not any(x in unit.name.split(".") for x in exclude):
-            sides[i] = "left" if out_f < in_f else "right"
+        sides[i] = "left" if w.shape[0] < w.shape[1] else "right"
     return sides
 
 
-class Projection(Transform):
-    """Which weights are projected, on which side, and their current P. A transform only to count steps."""
+def engine_projectable(engine: PerExampleEngine, rank: int, exclude: Iterable[str] = EXCLUDE) -> dict[int, str]:
+    """``projectable`` restricted to the Linear layers whose captures the engine's hooks make."""
+    layers = [(u.name, u.module) for u in engine.units if u.rule is RULES[nn.Linear] and "weight" in u.params]
+    return projectable(engine.model, engine.params, rank, exclude, layers)
 
-    def __init__(self, engine: PerExampleEngine, rank: int, every: int, exclude: tuple[str, ...] = EXCLUDE) -> None:
+
+class Projection(Transform):
+    """Which weights are projected, on which side, and their current P. A transform to count steps (and,
+    for the SVD kind, to refresh P from the gradient it sees)."""
+
+    def __init__(self, params: list[torch.Tensor], names: list[str], sides: dict[int, str], rank: int,
+                 every: int) -> None:
         if rank < 1:
             raise ValueError(f"the projection rank must be >= 1, got {rank}")
         if every < 1:
             raise ValueError(f"the subspace must be refreshed every >= 1 steps, got {every}")
-        self.engine, self.rank, self.every = engine, rank, every
-        self.sides = projectable(engine, rank, exclude)
-        if not self.sides:
-            raise ValueError(f"no Linear weight has both sides larger than rank {rank}: nothing to project")
+        if not sides:
+            raise ValueError(f"no Linear weight has both sides larger than rank {rank} (heads and tied weights "
+                             "excluded): nothing to project; lower --rank or shorten --projection-exclude")
+        self.params, self.names, self.sides, self.rank, self.every = params, names, sides, rank, every
         self.step = 0
 
+    @property
+    def refreshing(self) -> bool:
+        """Whether this step starts a new subspace (steps 0, F, 2F, ...)."""
+        return self.step % self.every == 0
+
     def shape(self, i: int) -> torch.Size:
-        out_f, in_f = self.engine.params[i].shape
+        out_f, in_f = self.params[i].shape
         return torch.Size((self.rank, in_f) if self.sides[i] == "left" else (out_f, self.rank))
 
     def matrix(self, i: int) -> torch.Tensor:
@@ -93,17 +120,22 @@ class Projection(Transform):
 class RandomProjection(Projection):
     """DP-GRAPE's public Gaussian projections, applied to the statistic by the engine."""
 
-    def __init__(self, engine: PerExampleEngine, rank: int, every: int, seed: int,
-                 exclude: tuple[str, ...] = EXCLUDE) -> None:
-        super().__init__(engine, rank, every, exclude)
+    def __init__(self, params: list[torch.Tensor], names: list[str], sides: dict[int, str], rank: int, every: int,
+                 seed: int) -> None:
+        super().__init__(params, names, sides, rank, every)
         self.seed = seed
 
+    @classmethod
+    def on(cls, engine: PerExampleEngine, rank: int, every: int, seed: int,
+           exclude: Iterable[str] = EXCLUDE) -> "RandomProjection":
+        """The projection of every projectable Linear weight of ``engine``'s model."""
+        return cls(engine.params, engine.names, engine_projectable(engine, rank, exclude), rank, every, seed)
+
     def matrix(self, i: int) -> torch.Tensor:
-        """Regenerated bit-identically from (seed, name, subspace): float32 on the CPU, then moved."""
-        p = self.engine.params[i]
-        rows = min(p.shape)
-        g = public_generator(self.seed, "grape", self.engine.names[i], self.step // self.every)
-        return (torch.randn(rows, self.rank, generator=g) / math.sqrt(self.rank)).to(p.device)
+        """Regenerated bit-identically from (seed, name, subspace): float32 on the CPU, then moved (P5)."""
+        p = self.params[i]
+        g = public_generator(self.seed, "grape", self.names[i], self.step // self.every)
+        return (torch.randn(min(p.shape), self.rank, generator=g) / math.sqrt(self.rank)).to(p.device)
 
     def project(self, i: int, capture: Capture) -> Capture:
         """The capture of R_i = P^T G_i or G_i P: the matching factor times P."""
@@ -114,24 +146,30 @@ class RandomProjection(Projection):
             if left:
                 return Outer(capture.left @ p.to(capture.left.dtype), capture.right, self.rank, shape)
             return Outer(capture.left, capture.right @ p.to(capture.right.dtype), capture.rows, shape)
-        g = capture.materialize().reshape(capture.batch_size, *self.engine.params[i].shape)
+        g = capture.materialize().reshape(capture.batch_size, *self.params[i].shape)
         p = p.to(g.dtype)
         return Dense(torch.einsum("bmn,mr->brn", g, p) if left else g @ p, shape)
 
 
 class SVDProjection(Projection):
-    """Naive DP-GaLore: every ``every`` steps P = the top-r singular vectors of the privatized gradient
-    (on the projected side); free post-processing of the release, stored per layer."""
+    """GaLore's projection: every ``every`` steps P = the top-r singular vectors (on the projected side) of
+    the gradient this transform sees; stored per layer. Given the privatized gradient (naive DP-GaLore) it
+    is free post-processing of the release."""
 
-    def __init__(self, engine: PerExampleEngine, rank: int, every: int, exclude: tuple[str, ...] = EXCLUDE) -> None:
-        super().__init__(engine, rank, every, exclude)
+    def __init__(self, params: list[torch.Tensor], names: list[str], sides: dict[int, str], rank: int,
+                 every: int) -> None:
+        super().__init__(params, names, sides, rank, every)
         self.matrices: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def on(cls, engine: PerExampleEngine, rank: int, every: int, exclude: Iterable[str] = EXCLUDE) -> "SVDProjection":
+        return cls(engine.params, engine.names, engine_projectable(engine, rank, exclude), rank, every)
 
     def matrix(self, i: int) -> torch.Tensor:
         return self.matrices[i]
 
     def __call__(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self.step % self.every == 0:
+        if self.refreshing:
             for i, side in self.sides.items():
                 u, _, vh = torch.linalg.svd(grads[i].float(), full_matrices=False)
                 self.matrices[i] = (u[:, :self.rank] if side == "left" else vh[:self.rank].T).contiguous()

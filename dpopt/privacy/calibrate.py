@@ -53,3 +53,16 @@ def noise_multiplier_for(epsilon: float, delta: float, participation: Participat
     if eps(hi, FINE) > epsilon:
         raise AssertionError("calibration failed to meet the target")  # unreachable: COARSE >= FINE
     return float(hi)
+
+
+def advanced_composition_noise(epsilon: float, delta: float, steps: int) -> float:
+    """sigma / Delta of Lemma 2.2 in DPZero (Zhang et al. 2024, L65-69; Kairouz et al. 2015, Thm 4.3): T-fold
+    adaptive composition of Gaussian mechanisms of L2 sensitivity Delta, each adding N(0, sigma^2 I) with
+    sigma = 2 Delta sqrt(2 T log(e + epsilon/delta)) / epsilon, is (epsilon, delta)-DP. No subsampling: the
+    paper's full-batch theory. For a clipped mean under replace-one, Delta = 2C/n, giving Alg. 1-2's
+    sigma = 4 C sqrt(2 T log(e + epsilon/delta)) / (n epsilon) (L126, L186). The ledger's PLD accountant,
+    given the same noise, reports a smaller epsilon: this bound is loose, kept for faithful reproductions."""
+    check_budget(epsilon, delta)
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    return 2.0 * math.sqrt(2.0 * steps * math.log(math.e + epsilon / delta)) / epsilon

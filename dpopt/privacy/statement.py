@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dpopt.privacy.ledger import FixedParticipation, PoissonSampling, PrivacyLedger, Relation
 
 
@@ -11,6 +13,11 @@ def privacy_statement(ledger: PrivacyLedger, delta: float, dataset_size: int | N
     """``secure``: True if the secret randomness came from OS entropy, False if it was derived from the run's
     seed (then the guarantee needs that seed kept secret), None if the caller does not say."""
     eps = ledger.epsilon(delta)
+    if math.isinf(eps):
+        lines = ["Privacy statement", "-----------------",
+                 "This run is NOT differentially private (epsilon = inf): it released statistics without noise."]
+        lines += [f"  - {e.steps} releases, noise multiplier {e.noise_multiplier:.4g}." for e in ledger.entries]
+        return "\n".join(lines)
     other = "rdp" if ledger.accountant == "pld" else "pld"
     try:
         eps_other: float | None = ledger.epsilon(delta, other)

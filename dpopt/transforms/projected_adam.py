@@ -3,8 +3,10 @@
 For a projected weight the moments M, V live in the r-dimensional space of its projection and the step
 is lifted back through P: W <- W - alpha_t * P (M / (sqrt(V) + eps)) (left) or (M / (sqrt(V) + eps)) P^T
 (right), alpha_t = lr * sqrt(1 - beta2^t) / (1 - beta1^t) (L119-L124). Every other parameter gets the
-same formula with full-size moments. A full-size gradient of a projected weight (naive DP-GaLore) is
-projected first. Moments are not reset when the subspace changes (P11); weight decay is decoupled.
+same formula with full-size moments. A full-size gradient of a projected weight (GaLore, naive DP-GaLore)
+is projected first. The paper does not reset the projected moments when the subspace changes (nor does
+GaLore): they carry over, expressed in the new basis (spec P11); ``reset_on_refresh`` zeroes them at every
+refresh instead, keeping the global step t for bias correction. Weight decay is decoupled.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from dpopt.grad.projection import Projection
 
 class ProjectedAdam:
     def __init__(self, params: list[torch.Tensor], projection: Projection, lr: float,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0) -> None:
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0,
+                 reset_on_refresh: bool = False) -> None:
         self.params, self.projection = params, projection
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.reset_on_refresh = reset_on_refresh
         self.t = 0
         self.moments: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(params)
 
@@ -30,6 +34,7 @@ class ProjectedAdam:
         self.t += 1
         b1, b2 = self.betas
         alpha = self.lr * math.sqrt(1 - b2 ** self.t) / (1 - b1 ** self.t)
+        reset = self.reset_on_refresh and self.projection.refreshing
         for i, (p, g) in enumerate(zip(self.params, grads)):
             projected = i in self.projection.sides
             g = g.float()
@@ -38,14 +43,18 @@ class ProjectedAdam:
             if self.moments[i] is None:
                 self.moments[i] = (torch.zeros_like(g), torch.zeros_like(g))
             m, v = self.moments[i]
+            if projected and reset:
+                m.zero_()
+                v.zero_()
             m.mul_(b1).add_(g, alpha=1 - b1)
             v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            u = m / (v.sqrt() + self.eps)
-            if projected:
-                u = self.projection.lift(i, u)
+            denom = v.sqrt().add_(self.eps)
             if self.weight_decay:
                 p.mul_(1 - self.lr * self.weight_decay)
-            p.add_(u.to(p.dtype), alpha=-alpha)
+            if projected:  # W <- W - alpha * P (M / (sqrt(V) + eps)), one lifted layer alive at a time
+                p.add_(self.projection.lift(i, m / denom).to(p.dtype), alpha=-alpha)
+            else:
+                p.addcdiv_(m.to(p.dtype), denom.to(p.dtype), value=-alpha)
 
     def state_dict(self) -> dict[str, Any]:
         return {"t": self.t, "moments": self.moments}

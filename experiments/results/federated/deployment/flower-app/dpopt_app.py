@@ -1,0 +1,1 @@
+"""The components live in dpopt.federated.flower (see pyproject.toml)."""
