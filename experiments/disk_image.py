@@ -2,39 +2,106 @@
 
 For each dataset, epsilon in {0.5, 1, 2, 4, 8} (delta 1e-5), base in {DP-SGD, DP-Adam} and seed: the base
 and DiSK (kappa 0.7, gamma 0.5) with the *same* base hyper-parameters (the paper tunes the base only,
-L744). Every finished run is appended to results.jsonl and skipped when the command is run again;
-``--summarize`` writes table.md (mean ± std test accuracy) and accuracy_vs_epsilon.png.
+L744). ``--tune`` first picks each base's learning rate on a held-out split (the last 10,000 training
+images as validation, the base alone, one epsilon, a seed outside the grid) and writes tuning.json, which
+the grid then reads. Every finished run is appended to results.jsonl and skipped when the command is run
+again; ``--summarize`` writes table.md (mean ± std test accuracy) and accuracy_vs_epsilon.png.
 Paper claim (Fig. 1, L288-300): DiSK beats its base at every epsilon, with a larger gain at small epsilon.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 from pathlib import Path
 
+import torch
+
 from dpopt.algorithms import Hyperparameters
+from dpopt.data.datasets import DATASETS, Dataset, load_dataset
 from dpopt.train import TrainConfig, train
 
 BASES = {"sgd": Hyperparameters(lr=1.0, momentum=0.9), "adam": Hyperparameters(lr=2e-3)}
+LR_GRID = {"sgd": [1.0, 2.0, 4.0, 8.0, 16.0], "adam": [2e-3, 4e-3, 8e-3, 1.6e-2]}
+VALIDATION = 10_000
+TUNING_SEED = 100  # not one of the grid's seeds
+
+
+def validation_split(name: str) -> str:
+    """Register ``NAME/validation``: the first N - 10,000 training images to train on, the last 10,000 to
+    evaluate on (the test set is not looked at while tuning)."""
+    def load(download: bool) -> Dataset:
+        full = load_dataset(name, download)
+        x, y = full.train
+        n = len(y) - VALIDATION
+        return Dataset(f"{name}/validation", (x[:n], y[:n]), (x[n:], y[n:]), full.num_classes)
+
+    DATASETS[f"{name}/validation"] = load
+    return f"{name}/validation"
+
+
+def tune(a: argparse.Namespace, out: Path) -> dict[str, dict[str, float]]:
+    """Each base's learning rate, chosen by validation accuracy at one epsilon; DiSK reuses it."""
+    log = out / "tuning.jsonl"
+    rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    done = {(r["dataset"], r["base"], r["lr"]) for r in rows}
+    for dataset in a.datasets:
+        held_out = validation_split(dataset)
+        for base in a.bases:
+            for lr in LR_GRID[base]:
+                if (dataset, base, lr) in done:
+                    continue
+                hp = dataclasses.replace(BASES[base], lr=lr)
+                config = TrainConfig(algorithm=f"dp-{base}", dataset=held_out, model="cnn", epsilon=a.tune_epsilon,
+                                     delta=1e-5, epochs=a.epochs, batch_size=a.batch_size, clip=a.clip,
+                                     seed=TUNING_SEED, hp=hp)
+                m = train(config, progress=False, log=lambda s: None)
+                row = {"dataset": dataset, "base": base, "lr": lr, "epsilon": a.tune_epsilon,
+                       "validation_accuracy": m["test_accuracy"]}
+                rows.append(row)
+                with log.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                print(json.dumps(row), flush=True)
+    scores: dict[tuple[str, str], dict[float, float]] = {}
+    for r in rows:
+        scores.setdefault((r["dataset"], r["base"]), {})[r["lr"]] = r["validation_accuracy"]
+    best: dict[str, dict[str, float]] = {}
+    for (dataset, base), by_lr in scores.items():
+        best.setdefault(dataset, {})[base] = max(by_lr, key=by_lr.get)
+    (out / "tuning.json").write_text(json.dumps(best, indent=2) + "\n")
+    return best
+
+
+def hyperparameters(tuned: Path, dataset: str, base: str, kappa: float, gamma: float) -> Hyperparameters:
+    """The base's tuned learning rate (tuning.json), shared by the base and DiSK; kappa and gamma for DiSK."""
+    lr = json.loads(tuned.read_text()).get(dataset, {}).get(base) if tuned.exists() else None
+    hp = BASES[base] if lr is None else dataclasses.replace(BASES[base], lr=lr)
+    return dataclasses.replace(hp, kappa=kappa, gamma=gamma)
 
 
 def summarize(out: Path) -> str:
+    """Mean ± std over seeds; "DiSK ahead" counts the seeds in which DiSK beat its base (a paired comparison:
+    at one seed both see the same batches and the same noise draws)."""
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    groups: dict[tuple, list[float]] = {}
+    groups: dict[tuple, dict[int, float]] = {}
     for r in rows:
-        groups.setdefault((r["dataset"], r["base"], r["epsilon"], r["method"]), []).append(r["test_accuracy"])
-    lines = ["| dataset | base | epsilon | base accuracy | DiSK accuracy | gain | seeds |", "|---|---|---|---|---|---|---|"]
+        groups.setdefault((r["dataset"], r["base"], r["epsilon"], r["method"]), {})[r["seed"]] = r["test_accuracy"]
+    lines = ["| dataset | base | epsilon | base accuracy (%) | DiSK accuracy (%) | gain (points) | DiSK ahead |",
+             "|---|---|---|---|---|---|---|"]
     curves: dict[tuple, list[tuple[float, float, float]]] = {}
+    sd = lambda v: statistics.stdev(v) if len(v) > 1 else 0.0  # noqa: E731
     for (dataset, base, eps, method) in sorted(groups):
         if method != "base" or (dataset, base, eps, "disk") not in groups:
             continue
-        b, k = groups[(dataset, base, eps, "base")], groups[(dataset, base, eps, "disk")]
-        sd = lambda v: statistics.stdev(v) if len(v) > 1 else 0.0  # noqa: E731
+        by_seed_b, by_seed_k = groups[(dataset, base, eps, "base")], groups[(dataset, base, eps, "disk")]
+        seeds = sorted(set(by_seed_b) & set(by_seed_k))
+        b, k = [by_seed_b[s] for s in seeds], [by_seed_k[s] for s in seeds]
+        ahead = sum(y > x for x, y in zip(b, k))
         lines.append(f"| {dataset} | dp-{base} | {eps} | {100 * statistics.mean(b):.2f} ± {100 * sd(b):.2f} | "
                      f"{100 * statistics.mean(k):.2f} ± {100 * sd(k):.2f} | "
-                     f"{100 * (statistics.mean(k) - statistics.mean(b)):+.2f} | {min(len(b), len(k))} |")
+                     f"{100 * (statistics.mean(k) - statistics.mean(b)):+.2f} | {ahead}/{len(seeds)} |")
         for m, v in (("base", b), ("disk", k)):
             curves.setdefault((dataset, base, m), []).append((eps, statistics.mean(v), sd(v)))
     table = "\n".join(lines) + "\n"
@@ -44,20 +111,24 @@ def summarize(out: Path) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    datasets = sorted({k[0] for k in curves})
-    fig, axes = plt.subplots(1, len(datasets), figsize=(5 * len(datasets), 4), squeeze=False)
-    for ax, dataset in zip(axes[0], datasets):
-        for (d, base, m), pts in sorted(curves.items()):
-            if d == dataset:
-                pts.sort()
-                ax.errorbar([p[0] for p in pts], [100 * p[1] for p in pts], [100 * p[2] for p in pts], capsize=3,
-                            marker="o", linestyle="-" if m == "disk" else "--",
-                            label=f"{'DiSK-' if m == 'disk' else 'DP-'}{base.upper() if base == 'sgd' else 'Adam'}")
-        ax.set_xscale("log")
-        ax.set_xlabel("epsilon (delta = 1e-5)")
-        ax.set_ylabel("test accuracy (%)")
-        ax.set_title(f"{dataset}, Tanh CNN")
-        ax.legend()
+    datasets, bases = sorted({k[0] for k in curves}), sorted({k[1] for k in curves}, reverse=True)
+    fig, axes = plt.subplots(len(datasets), len(bases), figsize=(4.5 * len(bases), 3.5 * len(datasets)), squeeze=False)
+    for row, dataset in zip(axes, datasets):
+        for ax, base in zip(row, bases):
+            name = "SGD" if base == "sgd" else "Adam"
+            for m, style in (("base", dict(color="0.45", linestyle="--", label=f"DP-{name}")),
+                             ("disk", dict(color="C3", linestyle="-", label=f"DiSK on DP-{name}"))):
+                pts = sorted(curves.get((dataset, base, m), []))
+                ax.errorbar([q[0] for q in pts], [100 * q[1] for q in pts], [100 * q[2] for q in pts], capsize=3,
+                            marker="o", **style)
+            ax.set_xscale("log")
+            eps = sorted({q[0] for q in curves.get((dataset, base, "base"), [])})
+            ax.set_xticks(eps, [f"{e:g}" for e in eps])
+            ax.minorticks_off()
+            ax.set_xlabel("epsilon (delta = 1e-5)")
+            ax.set_ylabel("test accuracy (%), mean ± std")
+            ax.set_title(f"{dataset}, Tanh CNN, DP-{name} base")
+            ax.legend()
     fig.tight_layout()
     fig.savefig(out / "accuracy_vs_epsilon.png", dpi=120)
     return table
@@ -69,15 +140,25 @@ def main(argv: list[str]) -> int:
     p.add_argument("--epsilons", nargs="+", type=float, default=[0.5, 1.0, 2.0, 4.0, 8.0])
     p.add_argument("--bases", nargs="+", default=["sgd", "adam"], choices=sorted(BASES))
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--clip", type=float, default=0.1)
     p.add_argument("--out", default="runs/disk_image")
     p.add_argument("--summarize", action="store_true", help="only write the table and the plot")
+    p.add_argument("--tune", action="store_true", help="only choose the bases' learning rates (tuning.json)")
+    p.add_argument("--tune-epsilon", type=float, default=2.0)
+    p.add_argument("--tuning", help="tuning.json to read (default: the one in --out)")
+    p.add_argument("--kappa", type=float, default=0.7, help="DiSK's Kalman gain")
+    p.add_argument("--gamma", type=float, default=0.5, help="DiSK's extrapolation step")
     a = p.parse_args(argv)
+    torch.set_num_threads(1)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.tune:
+        print(json.dumps(tune(a, out), indent=2))
+        return 0
     log = out / "results.jsonl"
+    tuned = Path(a.tuning) if a.tuning else out / "tuning.json"
     if not a.summarize:
         done = {(r["dataset"], r["base"], r["epsilon"], r["method"], r["seed"])
                 for r in map(json.loads, log.read_text().splitlines())} if log.exists() else set()
@@ -91,11 +172,16 @@ def main(argv: list[str]) -> int:
                             algorithm = f"{'disk' if method == 'disk' else 'dp'}-{base}"
                             config = TrainConfig(algorithm=algorithm, dataset=dataset, model="cnn", epsilon=eps,
                                                  delta=1e-5, epochs=a.epochs, batch_size=a.batch_size, clip=a.clip,
-                                                 seed=seed, hp=BASES[base])
+                                                 seed=seed, hp=hyperparameters(tuned, dataset, base, a.kappa,
+                                                                               a.gamma))
                             m = train(config, progress=False, log=lambda s: None)
                             row = {"dataset": dataset, "base": base, "epsilon": eps, "method": method, "seed": seed,
                                    "test_accuracy": m["test_accuracy"], "epsilon_spent": m["epsilon"],
-                                   "wall_time_s": m["wall_time_s"], "steps": m["steps"]}
+                                   "lr": config.hp.lr, "epochs": a.epochs, "batch_size": a.batch_size,
+                                   **({"kappa": a.kappa, "gamma": a.gamma} if method == "disk" else {}),
+                                   "noise_multiplier": m["noise_multiplier"], "steps": m["steps"],
+                                   "accuracy_per_epoch": [h["test_accuracy"] for h in m["history"]],
+                                   "wall_time_s": m["wall_time_s"]}
                             with log.open("a") as f:
                                 f.write(json.dumps(row) + "\n")
                             print(json.dumps(row), flush=True)

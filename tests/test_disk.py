@@ -8,7 +8,7 @@ from torch import nn
 
 from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
 from dpopt.clipping import Clipping, clip_and_sum
-from dpopt.data.samplers import FixedOrderSampler, PoissonSampler
+from dpopt.data.samplers import PoissonSampler, ShuffleSampler
 from dpopt.grad import PerExampleEngine
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.rng import SecretStream
@@ -68,22 +68,26 @@ def full_batch_grad(model, data):
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
-def noiseless(model, algorithm, **hp):
-    """No noise, clipping never active, the whole dataset each step: DiSK's optimisation recursion alone."""
-    sampler = FixedOrderSampler(N, N, SecretStream(0, "sampling"))
+def noiseless(model, algorithm, batch=N, **hp):
+    """No noise, clipping never active, fixed-size batches (the whole dataset by default): DiSK's
+    optimisation recursion alone."""
+    sampler = ShuffleSampler(N, batch, SecretStream(0, "sampling"))
     return optimizer(model, algorithm, z=0.0, clip=1e6, sampler=sampler, **hp)
 
 
 def test_gamma_minus_one_is_storm():
-    """gamma = -1, SGD: g~_t = (1-k) g~_{t-1} + k grad(x_t) + (1-k)(grad(x_t) - grad(x_{t-1})) (same batch)."""
+    """gamma = -1, SGD: g~_t = (1-k) g~_{t-1} + k grad(x_t) + (1-k)(grad(x_t) - grad(x_{t-1})), both gradients
+    on the same minibatch xi_t (shuffled batches of 6)."""
     kappa, lr = 0.3, 0.2
     model, data = problem()
-    opt = noiseless(model, "disk-sgd", lr=lr, kappa=kappa, gamma=-1.0)
+    opt = noiseless(model, "disk-sgd", batch=6, lr=lr, kappa=kappa, gamma=-1.0)
     ref, _ = problem()
     g_tilde, prev = None, None
-    for _ in range(5):
+    for step in range(6):
         opt.step(data)
-        g = full_batch_grad(ref, data)
+        idx = opt.privatizer.sampler.batch(step)
+        xi = (data[0][idx], data[1][idx])
+        g = full_batch_grad(ref, xi)
         if g_tilde is None:
             g_tilde = g
         else:
@@ -91,7 +95,7 @@ def test_gamma_minus_one_is_storm():
             with torch.no_grad():
                 for p, q in zip(ref.parameters(), prev):
                     p.copy_(q)
-            g_prev = full_batch_grad(ref, data)
+            g_prev = full_batch_grad(ref, xi)
             with torch.no_grad():
                 for p, q in zip(ref.parameters(), now):
                     p.copy_(q)
@@ -198,3 +202,76 @@ def test_resume_state_round_trip():
     opt.step(data)
     opt2.step(data)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+
+
+def grape_problem():
+    from test_grape import Net
+
+    torch.manual_seed(0)
+    return Net(), (torch.randn(N, 3, 12), torch.randint(0, 3, (N,)))
+
+
+@pytest.mark.parametrize("kappa", [1.0, 0.7])
+def test_disk_composes_with_dp_grape(kappa):
+    """disk-grape = DiSK on DP-GRAPE's projected Adam: kappa = 1 is dp-grape exactly, and the ledger is
+    dp-grape's for any kappa."""
+    runs = []
+    for algorithm in ("dp-grape", "disk-grape"):
+        model, data = grape_problem()
+        opt = optimizer(model, algorithm, lr=0.01, rank=4, subspace_every=2, kappa=kappa)
+        for _ in range(4):
+            opt.step(data)
+        runs.append((params(model), opt.privatizer.ledger.entries))
+    assert runs[0][1] == runs[1][1]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0])) == (kappa == 1.0)
+
+
+def test_disk_grape_privatizes_the_projected_mixture_and_filters_in_the_projected_space():
+    """Both points are projected by the same public P: the statistic is P^T (c g(x + gamma d) + (1-c) g(x))
+    (left; G P on the right), and g~ has the projected shapes while d has the parameters'."""
+    model, data = grape_problem()
+    opt = optimizer(model, "disk-grape", lr=0.01, rank=4, subspace_every=1, kappa=0.6, gamma=0.3)
+    for _ in range(3):  # the subspace changes every step
+        opt.step(data)
+    kf, engine, proj = opt.transforms[0], opt.engine, opt.engine.projection
+    assert [f.shape for f in kf.filtered] == engine.shapes != [p.shape for p in engine.params]
+    assert [d.shape for d in kf.delta] == [p.shape for p in engine.params]
+    got = kf.statistic(engine, data).materialize()
+    ref = PerExampleEngine(model, mlp_loss, "vmap")
+    ahead = [p.detach() + kf.gamma * d for p, d in zip(engine.params, kf.delta)]
+    mix = [kf.c * a + (1 - kf.c) * b for a, b in zip(ref.gradients(data, at=ahead).materialize(),
+                                                       ref.gradients(data).materialize())]
+    for i, (g, m) in enumerate(zip(got, mix)):
+        if i in proj.sides:
+            p = proj.matrix(i)
+            m = torch.einsum("mr,bmn->brn", p, m) if proj.sides[i] == "left" else m @ p
+        assert torch.allclose(g, m, atol=1e-5, rtol=1e-4), engine.names[i]
+
+
+def test_disk_refuses_a_base_with_its_own_statistic():
+    from dpopt.algorithms.base import DPOptimizer
+    from dpopt.algorithms.disk import with_kalman
+
+    def two_point(engine, privatizer, hp):
+        return DPOptimizer(engine, privatizer, torch.optim.SGD(engine.params, lr=hp.lr),
+                           statistic=lambda e, b: e.gradients(b) - e.gradients(b))
+
+    model, _ = problem()
+    engine = PerExampleEngine(model, mlp_loss)
+    privatizer = Privatizer(Clipping(1.0), GaussianNoise(1.0, 1.0, SecretStream(3, "noise")),
+                            PoissonSampler(N, 0.5, SecretStream(3, "sampling")), PrivacyLedger())
+    with pytest.raises(ValueError, match="its own two-point statistic"):
+        with_kalman(two_point)(engine, privatizer, Hyperparameters())
+
+
+@pytest.mark.parametrize("algorithm", ["disk-adam", "disk-grape"])
+def test_cli_trains_disk_with_kappa_and_gamma(tmp_path, algorithm):
+    import json
+
+    from dpopt.cli import main
+
+    assert main(["train", "--algorithm", algorithm, "--kappa", "0.6", "--gamma", "1.0", "--lr", "0.01",
+                 "--epochs", "1", "--epsilon", "2", "--out", str(tmp_path), "--no-progress"]) == 0
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert m["config"]["hp"]["kappa"] == 0.6 and m["config"]["hp"]["gamma"] == 1.0
+    assert m["epsilon"] <= 2.0 and m["test_accuracy"] > 0.3

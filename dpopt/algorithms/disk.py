@@ -1,23 +1,32 @@
-"""DiSK on every base optimizer: ``disk-sgd``, ``disk-adam``, ``disk-adamw`` (Zhang et al. 2024, Alg. 3).
-The filter is one transform plus its statistic; the privacy cost is the base method's (one release/step)."""
+"""DiSK on every base method (Zhang et al. 2024, Alg. 3): ``disk-sgd``, ``disk-adam``, ``disk-adamw`` and
+``disk-grape`` (DP-GRAPE's projected Adam). ``with_kalman`` turns any recipe whose statistic is the plain
+gradient into its DiSK version: the two-point mixture becomes the statistic, the Kalman filter the first
+transform (it filters the release; the base's own transforms and update then see g~). Sampling, clipping,
+noise and ledger stay the base's: one release per step, whatever noise mechanism the privatizer holds.
+"""
 
 from __future__ import annotations
 
+from dpopt.algorithms import first_order, grape  # noqa: F401  (registers the bases wrapped below)
 from dpopt.algorithms.base import DPOptimizer, Privatizer
-from dpopt.algorithms.first_order import BASES
-from dpopt.algorithms.registry import Hyperparameters, register
+from dpopt.algorithms.registry import ALGORITHMS, Hyperparameters, Recipe, register
 from dpopt.grad.engine import PerExampleEngine
 from dpopt.transforms.kalman import KalmanFilter
 
+WRAPPED = {"disk-sgd": "dp-sgd", "disk-adam": "dp-adam", "disk-adamw": "dp-adamw", "disk-grape": "dp-grape"}
 
-def _disk(base: str):
-    def recipe(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
+
+def with_kalman(recipe: Recipe) -> Recipe:
+    def disk(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
+        base = recipe(engine, privatizer, hp)
+        if base._statistic is not None:
+            raise ValueError("DiSK privatizes its own two-point statistic; it wraps only a method whose "
+                             "statistic is the plain per-example gradient")
         kf = KalmanFilter(hp.kappa, hp.gamma)
-        return DPOptimizer(engine, privatizer, BASES[base](engine.params, hp), transforms=[kf],
-                           statistic=kf.statistic)
+        return DPOptimizer(engine, privatizer, base.base, transforms=[kf, *base.transforms], statistic=kf.statistic)
 
-    return recipe
+    return disk
 
 
-for _name in BASES:
-    register(f"disk-{_name}")(_disk(_name))
+for _name, _base in WRAPPED.items():
+    register(_name)(with_kalman(ALGORITHMS[_base]))

@@ -6,7 +6,7 @@
   holds all K slots and an absent canary's slot is zeroed out (loss 0): under Poisson sampling with the
   normaliser fixed this is the add/remove neighbour, and every canary keeps its position, which samplers
   with a public order (fixed-order batches) need. Observed: row c of every step's release.
-* ``ProjectedDirac`` (DP-GRAPE, DP-GaLore): the model is a ``Linear(K / r, 2r)`` (the GRAPE projection
+* ``ProjectedDirac`` (DP-GRAPE, DP-GaLore, DiSK on DP-GRAPE): the model is a ``Linear(K / r, 2r)`` (the GRAPE projection
   keeps the input side, rank r) and canary (j, i) is the example with input e_i and loss M <u_j, W e_i>.
   Under DP-GRAPE u_j = P (P^T P)^{-1} e_j for the public projection P, so the projected per-example
   gradient P^T G = M e_j e_i^T is a Dirac in the r x (K / r) projected statistic; under DP-GaLore (full
@@ -124,4 +124,4 @@ class ProjectedDirac(GaussianCanaries):
 
 
 register_audit(DiracRows(), "dp-sgd", "dp-adam", "dp-adamw", "disk-sgd", "disk-adam", "disk-adamw")
-register_audit(ProjectedDirac(), "dp-grape", "dp-galore")
+register_audit(ProjectedDirac(), "dp-grape", "dp-galore", "disk-grape")

@@ -45,9 +45,11 @@ class KalmanFilter(Transform):
         if self.delta is None or self.c == 0.0:
             return engine.gradients(batch)
         ahead = [p.detach() + self.gamma * d for p, d in zip(engine.params, self.delta)]
+        shifted = engine.gradients(batch, at=ahead)
         if self.single_point:
-            return engine.gradients(batch, at=ahead)
-        return self.c * engine.gradients(batch, at=ahead) + (1.0 - self.c) * engine.gradients(batch)
+            return shifted
+        del ahead  # a model-sized copy: not kept alive through the second pass
+        return self.c * shifted + (1.0 - self.c) * engine.gradients(batch)
 
     def __call__(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Alg. 3, line 6, with g~_{-1} = g_0 (so g~_0 = g_0: g_0 is released once)."""
