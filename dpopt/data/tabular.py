@@ -55,11 +55,14 @@ def tabular_arrays(name: str) -> tuple[np.ndarray, np.ndarray]:
     if name not in SOURCES:
         raise ValueError(f"unknown tabular dataset {name!r}; choose one of {', '.join(TABULAR)}")
     package, file, obj, label, positive = SOURCES[name]
-    import rdata
-
+    path = _r_file(package, file)
+    try:
+        import rdata
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError(f"reading {path} needs the rdata package: pip install 'dpopt[tabular]'") from e
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # rdata: "Unknown encoding. Assumed ASCII."
-        data = rdata.read_rda(str(_r_file(package, file)))
+        data = rdata.read_rda(str(path))
     if name == "golub":  # genes x samples matrix, class vector (0 = ALL, 1 = AML)
         return np.asarray(data[obj], dtype=np.float64).T, (np.asarray(data[label]) == positive).astype(np.int64)
     frame = data[obj]
