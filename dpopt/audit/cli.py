@@ -6,13 +6,13 @@ import argparse
 import json
 
 from dpopt.algorithms import ALGORITHMS
-from dpopt.audit.auditor import AuditSpec, audit
+from dpopt.audit.auditor import AUDIT_SETUPS, AuditSpec, audit
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = AuditSpec()
     p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    p.add_argument("--algorithm", default="dp-sgd", choices=sorted(ALGORITHMS))
+    p.add_argument("--algorithm", default="dp-sgd", choices=sorted(set(ALGORITHMS) | set(AUDIT_SETUPS)))
     p.add_argument("--epsilon", type=float, default=d.epsilon, help="budget the audited run's noise is calibrated to")
     p.add_argument("--delta", type=float, default=d.delta, help="delta of the claim and of the bound")
     p.add_argument("--steps", type=int, default=d.steps, help="steps of the audited run")
