@@ -9,12 +9,15 @@ own process, timed and measured side by side.
   peak of the running sum of every allocation and free the profiler records during the step. It counts
   what the step needs, independent of allocator caching and of the libraries a system imports;
 * ``rss_mb``: the process's peak resident set size over the timed steps (Linux VmHWM), for reference.
+* with ``--interleave``, ``interleaved_cpu_s``: median CPU seconds per step with every system that ran built
+  in one more process and stepped in turn, so that other processes' load falls on all of them alike.
 
 Systems: ``pytorch`` (non-private), ``dpopt`` (DP, ghost norms and book-keeping sums where cheaper),
 ``dpopt-materialize`` (DP, every Linear/Conv per-example gradient materialised; embedding rows stay sparse),
 ``opacus-hooks`` (every per-example gradient materialised) and ``opacus-ghost``, ``dp-grape`` (projected
 per-example gradients of rank ``--rank``, projected Adam), ``dp-galore`` (naive DP-GaLore) and ``galore``
-(non-private GaLore); the last three use their own projected Adam whatever ``--optimizer`` says.
+(non-private GaLore); the last three use their own projected Adam whatever ``--optimizer`` says; ``dpzero``
+(DPZero: two forward passes, no backward, no optimizer state).
 
 Workloads: ``cnn`` — the 28x28 Tanh CNN (dpopt.models.cnn) on random images; ``bert`` — a BERT-shaped
 Hugging Face model (6 layers, hidden 384, 12 heads, intermediate 1536: MiniLM's shape, random weights) on
@@ -43,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 SYSTEMS = ("pytorch", "dpopt", "dpopt-materialize", "opacus-hooks", "opacus-ghost", "dp-grape", "dp-galore",
-           "galore")
+           "galore", "dpzero")
 DEFAULT_SYSTEMS = ("pytorch", "dpopt", "opacus-hooks", "opacus-ghost")
 WORKLOADS = ("cnn", "bert", "minilm")
 
@@ -155,7 +158,7 @@ def _step_fn(system: str, case: Case, model: nn.Module, dataset: Any, loss: Call
             galore.zero_grad()
 
         return galore_step
-    if system in ("dpopt", "dpopt-materialize", "dp-grape", "dp-galore"):
+    if system in ("dpopt", "dpopt-materialize", "dp-grape", "dp-galore", "dpzero"):
         from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
         from dpopt.clipping import Clipping
         from dpopt.data.samplers import FixedOrderSampler
@@ -166,7 +169,7 @@ def _step_fn(system: str, case: Case, model: nn.Module, dataset: Any, loss: Call
 
         privatizer = Privatizer(Clipping(1.0), GaussianNoise(1.0, 1.0, SecretStream(0, "noise")),
                                 FixedOrderSampler(n, n, SecretStream(0, "sampling")), PrivacyLedger())
-        algorithm = system if system.startswith("dp-") else f"dp-{case.optimizer}"
+        algorithm = system if system in ("dp-grape", "dp-galore", "dpzero") else f"dp-{case.optimizer}"
         engine = PerExampleEngine(model, loss, strategy="materialize" if system == "dpopt-materialize" else "auto")
         opt = build_algorithm(algorithm, engine, privatizer, Hyperparameters(lr=0.01, rank=case.rank))
         opt.verified = True  # the one-time self-check is not part of a training step
@@ -220,8 +223,26 @@ def worker(system: str, case: Case, warmup: int, steps: int) -> dict[str, float]
             "peak_mb": peak_tensor_mb(step), "rss_mb": rss}
 
 
+def interleaved_worker(systems: tuple[str, ...], case: Case, warmup: int, steps: int) -> dict[str, float]:
+    """Median CPU seconds per step of every system, built in this one process and stepped in turn, so that
+    load from other processes falls on all systems alike (for shared machines)."""
+    torch.set_num_threads(case.threads)
+    step = {s: _step_fn(s, case, *_workload(case, s)) for s in systems}
+    for _ in range(warmup):
+        for f in step.values():
+            f()
+    cpu: dict[str, list[float]] = {s: [] for s in systems}
+    for _ in range(steps):
+        for s, f in step.items():
+            start = time.process_time()
+            f()
+            cpu[s].append(time.process_time() - start)
+    return {s: statistics.median(v) for s, v in cpu.items()}
+
+
 def measure(system: str, case: Case, warmup: int = 3, steps: int = 10, timeout: float = 3600) -> dict[str, Any]:
-    """Run ``worker`` in a fresh process; a failure becomes {"error": ...}."""
+    """Run ``worker`` in a fresh process (``system`` "a+b+...": ``interleaved_worker``); a failure becomes
+    {"error": ...}."""
     cmd = [sys.executable, "-m", "dpopt.bench", "--worker", system, "--case", json.dumps(dataclasses.asdict(case)),
            "--warmup", str(warmup), "--steps", str(steps)]
     try:
@@ -235,36 +256,44 @@ def measure(system: str, case: Case, warmup: int = 3, steps: int = 10, timeout: 
 
 
 def compare(case: Case, systems: tuple[str, ...] = DEFAULT_SYSTEMS, warmup: int = 3,
-            steps: int = 10, repeats: int = 1) -> dict[str, dict[str, Any]]:
+            steps: int = 10, repeats: int = 1, interleave: bool = False) -> dict[str, dict[str, Any]]:
     """All systems on one case, with ratios to non-private PyTorch. With ``repeats`` > 1 the systems run in
     turn that many times (a fresh process each) and each keeps its fastest run, so a burst of load from
-    another process slows one sample rather than one system."""
+    another process slows one sample rather than one system. ``interleave`` adds ``interleaved_cpu_s``: the
+    systems that ran, stepped in turn in one more process (``interleaved_worker``)."""
     results: dict[str, dict[str, Any]] = {}
     for _ in range(repeats):
         for s in systems:
             r = measure(s, case, warmup, steps)
             if s not in results or "error" in results[s] or r.get("s_per_step", float("inf")) < results[s]["s_per_step"]:
                 results[s] = r
+    ran = tuple(s for s, r in results.items() if "error" not in r)
+    if interleave and "pytorch" in ran:
+        together = measure("+".join(ran), case, warmup, steps)
+        for s in ran:
+            results[s]["interleaved_cpu_s"] = together.get(s)
     base = results.get("pytorch", {})
     for r in results.values():
         if "error" not in r and "error" not in base and base:
             r["time_ratio"] = r["s_per_step"] / base["s_per_step"]
             r["cpu_ratio"] = r["cpu_s_per_step"] / base["cpu_s_per_step"]
             r["peak_ratio"] = r["peak_mb"] / base["peak_mb"]
+            if r.get("interleaved_cpu_s") and base.get("interleaved_cpu_s"):
+                r["interleaved_ratio"] = r["interleaved_cpu_s"] / base["interleaved_cpu_s"]
     return results
 
 
 def markdown(rows: list[tuple[str, dict[str, dict[str, Any]]]]) -> str:
-    lines = ["| workload | system | s/step | time / PyTorch | CPU s/step | CPU time / PyTorch | peak tensor MB | "
-             "memory / PyTorch | peak RSS MB |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| workload | system | s/step | time / PyTorch | CPU s/step | CPU time / PyTorch | CPU time / PyTorch, "
+             "interleaved | peak tensor MB | memory / PyTorch | peak RSS MB |", "|---|---|---|---|---|---|---|---|---|---|"]
     for label, results in rows:
         for system, r in results.items():
             if "error" in r:
-                lines.append(f"| {label} | {system} | error: {r['error'][:80]} | | | | | | |")
+                lines.append(f"| {label} | {system} | error: {r['error'][:80]} | | | | | | | |")
                 continue
             ratio = lambda k: f"{r[k]:.2f}" if r.get(k) is not None else "—"  # noqa: E731
             lines.append(f"| {label} | {system} | {r['s_per_step']:.3f} | {ratio('time_ratio')} | "
-                         f"{r['cpu_s_per_step']:.3f} | {ratio('cpu_ratio')} | "
+                         f"{r['cpu_s_per_step']:.3f} | {ratio('cpu_ratio')} | {ratio('interleaved_ratio')} | "
                          f"{r['peak_mb']:.1f} | {ratio('peak_ratio')} | {r['rss_mb']:.0f} |")
     return "\n".join(lines)
 
@@ -285,6 +314,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--repeats", type=int, default=1, help="run the systems in turn this many times; keep each one's fastest")
+    p.add_argument("--interleave", action="store_true",
+                   help="also time the systems stepped in turn in one process (CPU time; for shared machines)")
     p.add_argument("--suite", action="store_true", help="the issue's table: cnn 256/1024, bert 32/64 (seq 64)")
     p.add_argument("--scaling", action="store_true", help="pytorch vs dpopt over batch size and sequence length")
     p.add_argument("--json", action="store_true", help="print one JSON object (single workload)")
@@ -302,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give --workload and --batch, or --suite, or --scaling")
     rows = []
     for case in cases:
-        rows.append((case.label, compare(case, systems, args.warmup, args.steps, args.repeats)))
+        rows.append((case.label, compare(case, systems, args.warmup, args.steps, args.repeats, args.interleave)))
         if not args.json:
             print(markdown(rows[-1:]).split("\n", 2)[-1] if len(rows) > 1 else markdown(rows[-1:]), flush=True)
     if args.json:
@@ -317,9 +348,13 @@ def run(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("--worker", choices=SYSTEMS, required=True)
+    p.add_argument("--worker", required=True, help="a system, or systems joined by + (interleaved)")
     p.add_argument("--case", required=True)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     a = p.parse_args()
-    print(json.dumps(worker(a.worker, Case(**json.loads(a.case)), a.warmup, a.steps)))
+    case = Case(**json.loads(a.case))
+    if "+" in a.worker:
+        print(json.dumps(interleaved_worker(tuple(a.worker.split("+")), case, a.warmup, a.steps)))
+    else:
+        print(json.dumps(worker(a.worker, case, a.warmup, a.steps)))

@@ -2,7 +2,7 @@
 
 * Measured (``dpopt bench``, each system in its own process, peak live-tensor memory of one training step
   with Adam-type updates): non-private Adam and GaLore, dpopt DP-Adam (book-keeping; materialised),
-  Opacus DP-Adam (hooks; ghost), naive DP-GaLore and DP-GRAPE, at batch 32 and 64; then DP-GRAPE over
+  Opacus DP-Adam (hooks; ghost), naive DP-GaLore, DP-GRAPE and DPZero, at batch 32 and 64; then DP-GRAPE over
   ranks. Written to ``OUT/memory_bB`` and ``OUT/rank_rR`` (bench.json, bench.md).
 * ``--floats``: Table 2 of the paper (L130-L136) for this model: floats of the per-example statistic and of
   the optimizer states, from the parameter shapes alone (no run).
@@ -21,7 +21,7 @@ from dpopt.data.datasets import Dataset
 from dpopt.grad import PerExampleEngine
 from dpopt.grad.projection import engine_projectable
 
-SYSTEMS = ("pytorch", "galore", "dpopt", "dpopt-materialize", "opacus-hooks", "opacus-ghost", "dp-galore", "dp-grape")
+SYSTEMS = ("pytorch", "galore", "dpopt", "dpopt-materialize", "opacus-hooks", "opacus-ghost", "dp-galore", "dp-grape", "dpzero")
 
 
 def floats(rank: int, batch: int, seq: int) -> dict[str, float]:

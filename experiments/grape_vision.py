@@ -67,29 +67,31 @@ def summarize(out: Path) -> str:
     tune = [r for r in rows if r["phase"] == "tune"]
     if tune:
         lines += ["Learning-rate search (eps 2, seed 0; trained on 50,000 training images, accuracy on the other "
-                  "10,000):", "", "| dataset | method | lr | validation accuracy |", "|---|---|---|---|"]
-        lines += [f"| {r['dataset']} | {r['method']} | {r['lr']:g} | {100 * r['test_accuracy']:.1f} |"
-                  for r in sorted(tune, key=lambda r: (r["dataset"], r["method"], r["lr"]))]
+                  "10,000):", "", "| dataset | epochs | method | lr | validation accuracy |", "|---|---|---|---|---|"]
+        lines += [f"| {r['dataset']} | {r['epochs']} | {r['method']} | {r['lr']:g} | {100 * r['test_accuracy']:.1f} |"
+                  for r in sorted(tune, key=lambda r: (r["dataset"], r["epochs"], r["method"], r["lr"]))]
         lines.append("")
     final = [r for r in rows if r["phase"] == "final"]
-    groups: dict[tuple[str, float, str], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, int, float, str], list[dict[str, Any]]] = {}
     for r in final:
-        groups.setdefault((r["dataset"], r["epsilon"], r["method"]), []).append(r)
+        groups.setdefault((r["dataset"], r["epochs"], r["epsilon"], r["method"]), []).append(r)
     mean = lambda rs, k: 100 * statistics.mean(r[k] for r in rs)  # noqa: E731
-    lines += ["| dataset | epsilon | method | final test accuracy | best during training | seeds | paper (ViT-B, MNIST, "
-              "best) |", "|---|---|---|---|---|---|---|"]
-    gaps: dict[tuple[str, str], list[float]] = {}
-    for (dataset, eps, method) in sorted(groups, key=lambda k: (k[0], k[1], METHODS.index(k[2]))):
-        rs = groups[(dataset, eps, method)]
+    lines += ["| dataset | epochs | epsilon | method | lr | final test accuracy | best during training | seeds | "
+              "paper (ViT-B, MNIST, best) |", "|---|---|---|---|---|---|---|---|---|"]
+    gaps: dict[tuple[str, int, str], list[float]] = {}
+    for (dataset, epochs, eps, method) in sorted(groups, key=lambda k: (k[0], k[1], k[2], METHODS.index(k[3]))):
+        rs = groups[(dataset, epochs, eps, method)]
         paper = PAPER[method].get(eps, "—") if dataset == "mnist" else "—"
-        lines.append(f"| {dataset} | {eps:g} | {method} | {mean(rs, 'test_accuracy'):.1f} | "
-                     f"{mean(rs, 'best_test_accuracy'):.1f} | {len(rs)} | {paper} |")
-        base = groups.get((dataset, eps, "dp-adam"))
+        lr = ", ".join(sorted({f"{r['lr']:g}" for r in rs}))
+        lines.append(f"| {dataset} | {epochs} | {eps:g} | {method} | {lr} | "
+                     f"{mean(rs, 'test_accuracy'):.1f} | {mean(rs, 'best_test_accuracy'):.1f} | {len(rs)} | {paper} |")
+        base = groups.get((dataset, epochs, eps, "dp-adam"))
         if method != "dp-adam" and base:
-            gaps.setdefault((dataset, method), []).append(mean(rs, "test_accuracy") - mean(base, "test_accuracy"))
+            gaps.setdefault((dataset, epochs, method), []).append(mean(rs, "test_accuracy") - mean(base, "test_accuracy"))
     lines += ["", "Average gap to DP-Adam over the epsilons run (final accuracy, points); the paper's (L174, MNIST): "
-              "DP-GRAPE +1.3, naive DP-GaLore −12.1.", "", "| dataset | method | gap | epsilons |", "|---|---|---|---|"]
-    lines += [f"| {d} | {m} | {statistics.mean(g):+.1f} | {len(g)} |" for (d, m), g in sorted(gaps.items())]
+              "DP-GRAPE +1.3, naive DP-GaLore −12.1.", "", "| dataset | epochs | method | gap | epsilons |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {d} | {e} | {m} | {statistics.mean(g):+.1f} | {len(g)} |" for (d, e, m), g in sorted(gaps.items())]
     table = "\n".join(lines) + "\n"
     (out / "table.md").write_text(table)
     return table
@@ -119,7 +121,7 @@ def main(argv: list[str]) -> int:
     log = out / "results.jsonl"
     lrs = {k: float(v) for k, v in (s.split("=") for s in a.lr)}
     if not a.summarize:
-        done = {(r["phase"], r["dataset"], r["method"], r["epsilon"], r["seed"], r["lr"])
+        done = {(r["phase"], r["dataset"], r["method"], r["epsilon"], r["seed"], r["lr"], r["epochs"])
                 for r in map(json.loads, log.read_text().splitlines())} if log.exists() else set()
         if a.tune:
             jobs = [("tune", d, m, 2.0, 0, lr) for d in a.datasets for m in a.methods for lr in a.lrs]
@@ -127,7 +129,7 @@ def main(argv: list[str]) -> int:
             jobs = [("final", d, m, e, s, lrs[m]) for d in a.datasets for e in a.epsilons for s in a.seeds
                     for m in a.methods]
         for phase, dataset, method, eps, seed, lr in jobs:
-            if (phase, dataset, method, eps, seed, lr) in done:
+            if (phase, dataset, method, eps, seed, lr, a.epochs) in done:
                 continue
             data = validation(dataset) if phase == "tune" else dataset
             row = {"phase": phase, "dataset": dataset, "method": method, "epsilon": eps, "seed": seed, "lr": lr,

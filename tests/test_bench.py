@@ -8,13 +8,14 @@ from dpopt.cli import main
 
 def test_bench_json_maps_each_system_to_its_measurements(capsys):
     argv = ["bench", "--workload", "cnn", "--batch", "8", "--warmup", "1", "--steps", "2", "--threads", "1",
-            "--systems", "pytorch", "dpopt", "--json"]
+            "--systems", "pytorch", "dpopt", "--interleave", "--json"]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"pytorch", "dpopt"}
     for r in out.values():
-        assert r["s_per_step"] > 0 and r["cpu_s_per_step"] > 0 and r["peak_mb"] > 0
-    assert out["pytorch"]["time_ratio"] == 1.0
+        assert r["s_per_step"] > 0 and r["cpu_s_per_step"] > 0 and r["peak_mb"] > 0 and r["interleaved_cpu_s"] > 0
+    assert out["pytorch"]["time_ratio"] == out["pytorch"]["interleaved_ratio"] == 1.0
+    assert out["dpopt"]["interleaved_ratio"] == out["dpopt"]["interleaved_cpu_s"] / out["pytorch"]["interleaved_cpu_s"]
     assert out["dpopt"]["peak_ratio"] == out["dpopt"]["peak_mb"] / out["pytorch"]["peak_mb"]
 
 
@@ -23,3 +24,10 @@ def test_a_system_that_cannot_run_maps_to_an_error():
     assert set(result) == {"error"} and "unknown workload" in result["error"]
     table = bench.markdown([("x", {"pytorch": result})])
     assert "error:" in table
+
+
+def test_dpzero_step_holds_less_than_a_backward_step():
+    """DPZero runs two forward passes and no backward: its step's peak stays below non-private SGD's."""
+    case = bench.Case("cnn", 32, threads=1)
+    peaks = {s: bench.worker(s, case, warmup=1, steps=1)["peak_mb"] for s in ("pytorch", "dpzero")}
+    assert peaks["dpzero"] < peaks["pytorch"]

@@ -1,0 +1,102 @@
+"""The floor under the Tanh CNN's DP step time (issue 3): what the per-example gradient norms of its two
+convolutions cost alone, against the whole non-private step.
+
+CPU milliseconds at one thread (``time.process_time``; each measurement warmed up, then the median of
+``--rounds`` calls in a row, so that every one runs with warm caches, as inside a step): the non-private
+PyTorch step and dpopt's DP-SGD step (``dpopt.bench``'s steps),
+and, on the activations and output gradients of one real backward pass, the squared per-example norms of
+each convolution's weight gradient by dpopt's route (``captures.inner``: one grouped convolution per chunk
+of examples, Rochette et al., 2019) and by the ghost route (Gram matrices of the unfolded patches and of the
+output gradients, Li et al., 2022; the route ``ConvOuter.ghost_cost`` rules out).
+
+Writes ``norm_cost.json`` and ``norm_cost.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from dpopt import bench
+from dpopt.data.samplers import take
+from dpopt.grad.captures import ConvOuter, inner
+
+
+def _conv_captures(case: bench.Case) -> list[ConvOuter]:
+    """Each Conv2d's input and output gradient from one backward pass of the CNN on the case's batch."""
+    model, dataset, loss = bench._workload(case, "pytorch")
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    seen: dict[nn.Module, list[torch.Tensor]] = {m: [] for m in convs}
+    handles = [m.register_forward_hook(lambda m, i, o: seen[m].append(i[0].detach())) for m in convs]
+    handles += [m.register_full_backward_hook(lambda m, gi, go: seen[m].append(go[0].detach())) for m in convs]
+    dataset = take(dataset, torch.arange(len(dataset[1]) if isinstance(dataset, tuple) else len(dataset["labels"])))
+    with warnings.catch_warnings():  # the first layer's input needs no gradient: the hook still sees its output's
+        warnings.simplefilter("ignore")
+        loss(model, dataset).sum().backward()
+    for h in handles:
+        h.remove()
+    return [ConvOuter(seen[m][0], seen[m][1], m.kernel_size, m.stride, m.dilation, m.padding, m.groups, m.weight.shape)
+            for m in convs]
+
+
+def ghost_norms(c: ConvOuter) -> torch.Tensor:
+    """sum over positions s, t of <u_s, u_t><g_s, g_t> per example, a chunk of 64 examples at a time."""
+    out = []
+    for start in range(0, c.batch_size, 64):
+        g, u = c.factors(slice(start, start + 64))
+        out.append((torch.bmm(g, g.transpose(1, 2)) * torch.bmm(u, u.transpose(1, 2))).sum((1, 2)))
+    return torch.cat(out)
+
+
+def _ms(f: Callable[[], object], rounds: int) -> float:
+    for _ in range(3):
+        f()
+    times = []
+    for _ in range(rounds):
+        start = time.process_time()
+        f()
+        times.append(time.process_time() - start)
+    return 1e3 * statistics.median(times)
+
+
+def measure(batch: int, rounds: int) -> dict[str, float]:
+    case = bench.Case("cnn", batch, threads=1)
+    steps = {s: bench._step_fn(s, case, *bench._workload(case, s)) for s in ("pytorch", "dpopt")}
+    convs = _conv_captures(case)
+    for c in convs:
+        assert torch.allclose(inner(c, c), ghost_norms(c), rtol=1e-3), "the two norm routes disagree"
+    jobs: dict[str, Callable[[], object]] = {f"{s} step": f for s, f in steps.items()}
+    for i, c in enumerate(convs, 1):
+        jobs[f"conv{i} norms, dpopt (grouped conv)"] = lambda c=c: inner(c, c)
+        jobs[f"conv{i} norms, ghost (Gram)"] = lambda c=c: ghost_norms(c)
+    return {k: _ms(f, rounds) for k, f in jobs.items()}
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="dpopt reproduce conv_norm_cost", description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", nargs="+", type=int, default=[256, 1024])
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--out", default="benchmarks/results/conv-norms")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    results = {b: measure(b, args.rounds) for b in args.batches}
+    lines = ["| batch | measurement | CPU ms | / non-private step |", "|---|---|---|---|"]
+    for b, r in results.items():
+        base = r["pytorch step"]
+        lines += [f"| {b} | {k} | {v:.2f} | {v / base:.3f} |" for k, v in r.items()]
+        own = sum(v for k, v in r.items() if "dpopt (grouped" in k)
+        lines.append(f"| {b} | both convolutions' norms, dpopt's route | {own:.2f} | {own / base:.3f} |")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "norm_cost.json").write_text(json.dumps(results, indent=2))
+    (out / "norm_cost.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
