@@ -223,21 +223,26 @@ def worker(system: str, case: Case, warmup: int, steps: int) -> dict[str, float]
             "peak_mb": peak_tensor_mb(step), "rss_mb": rss}
 
 
-def interleaved_worker(systems: tuple[str, ...], case: Case, warmup: int, steps: int) -> dict[str, float]:
-    """Median CPU seconds per step of every system, built in this one process and stepped in turn, so that
-    load from other processes falls on all systems alike (for shared machines)."""
-    torch.set_num_threads(case.threads)
-    step = {s: _step_fn(s, case, *_workload(case, s)) for s in systems}
+def cpu_medians_in_turn(calls: dict[str, Callable[[], object]], rounds: int, warmup: int = 0) -> dict[str, float]:
+    """Median CPU seconds per call of each function, the functions called in turn (``warmup`` untimed rounds,
+    then ``rounds`` timed ones), so that load from other processes falls on all of them alike."""
     for _ in range(warmup):
-        for f in step.values():
+        for f in calls.values():
             f()
-    cpu: dict[str, list[float]] = {s: [] for s in systems}
-    for _ in range(steps):
-        for s, f in step.items():
+    cpu: dict[str, list[float]] = {k: [] for k in calls}
+    for _ in range(rounds):
+        for k, f in calls.items():
             start = time.process_time()
             f()
-            cpu[s].append(time.process_time() - start)
-    return {s: statistics.median(v) for s, v in cpu.items()}
+            cpu[k].append(time.process_time() - start)
+    return {k: statistics.median(v) for k, v in cpu.items()}
+
+
+def interleaved_worker(systems: tuple[str, ...], case: Case, warmup: int, steps: int) -> dict[str, float]:
+    """Median CPU seconds per step of every system, built in this one process and stepped in turn (for shared
+    machines)."""
+    torch.set_num_threads(case.threads)
+    return cpu_medians_in_turn({s: _step_fn(s, case, *_workload(case, s)) for s in systems}, steps, warmup)
 
 
 def measure(system: str, case: Case, warmup: int = 3, steps: int = 10, timeout: float = 3600) -> dict[str, Any]:

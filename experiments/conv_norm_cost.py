@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 import warnings
 from pathlib import Path
 from typing import Callable
@@ -56,17 +54,6 @@ def ghost_norms(c: ConvOuter) -> torch.Tensor:
     return torch.cat(out)
 
 
-def _ms(f: Callable[[], object], rounds: int) -> float:
-    for _ in range(3):
-        f()
-    times = []
-    for _ in range(rounds):
-        start = time.process_time()
-        f()
-        times.append(time.process_time() - start)
-    return 1e3 * statistics.median(times)
-
-
 def measure(batch: int, rounds: int) -> dict[str, float]:
     case = bench.Case("cnn", batch, threads=1)
     steps = {s: bench._step_fn(s, case, *bench._workload(case, s)) for s in ("pytorch", "dpopt")}
@@ -77,7 +64,7 @@ def measure(batch: int, rounds: int) -> dict[str, float]:
     for i, c in enumerate(convs, 1):
         jobs[f"conv{i} norms, dpopt (grouped conv)"] = lambda c=c: inner(c, c)
         jobs[f"conv{i} norms, ghost (Gram)"] = lambda c=c: ghost_norms(c)
-    return {k: _ms(f, rounds) for k, f in jobs.items()}
+    return {k: 1e3 * bench.cpu_medians_in_turn({k: f}, rounds, warmup=3)[k] for k, f in jobs.items()}
 
 
 def main(argv: list[str]) -> int:

@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from dpopt.algorithms import DPOptimizer, Hyperparameters, Privatizer, build_algorithm
-from dpopt.bench import peak_tensor_mb
+from dpopt.bench import cpu_medians_in_turn, peak_tensor_mb
 from dpopt.clipping import Clipping
 from dpopt.data.datasets import Dataset
 from dpopt.data.samplers import FixedOrderSampler
@@ -78,18 +76,13 @@ def state_mb(opt: DPOptimizer) -> dict[str, float]:
 
 def measure(name: str, batch: int, base: str, steps: int) -> dict[str, dict[str, float]]:
     opts = {s: build(name, batch, base, s) for s in SYSTEMS}
-    times: dict[str, list[float]] = {s: [] for s in SYSTEMS}
-    for _ in range(steps):
-        for s, (opt, data) in opts.items():
-            start = time.process_time()
-            opt.step(data)
-            times[s].append(time.process_time() - start)
+    cpu = cpu_medians_in_turn({s: lambda o=o, d=d: o.step(d) for s, (o, d) in opts.items()}, steps)
     del opts
     out: dict[str, dict[str, float]] = {}
     for s in SYSTEMS:
         gc.collect()
         opt, data = build(name, batch, base, s)
-        out[s] = {"cpu_s_per_step": statistics.median(times[s]), "peak_tensor_mb": peak_tensor_mb(lambda: opt.step(data)),
+        out[s] = {"cpu_s_per_step": cpu[s], "peak_tensor_mb": peak_tensor_mb(lambda: opt.step(data)),
                   **state_mb(opt)}
         del opt, data
     for s in SYSTEMS:

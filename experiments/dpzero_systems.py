@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -29,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
-from dpopt.bench import peak_tensor_mb
+from dpopt.bench import cpu_medians_in_turn, peak_tensor_mb
 from dpopt.clipping import Clipping
 from dpopt.data.datasets import Dataset
 from dpopt.data.samplers import FixedOrderSampler
@@ -101,16 +99,8 @@ def worker(system: str, b: int) -> float:
 def measure(b: int, repeats: int, memory_only: tuple[str, ...]) -> dict[str, dict[str, float]]:
     """CPU time of inference, dpzero and mezo taking turns in this process; peak memory of every system
     (those in ``memory_only`` too) each in its own process."""
-    fns = systems(b, TIMED)
-    for fn in fns.values():  # warm-up
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.process_time()
-            fn()
-            times[name].append(time.process_time() - start)
-    result = {name: {"cpu_s": statistics.median(t)} for name, t in times.items()}
+    cpu = cpu_medians_in_turn(systems(b, TIMED), repeats, warmup=1)
+    result = {name: {"cpu_s": s} for name, s in cpu.items()}
     for name in (*TIMED, *memory_only):
         result.setdefault(name, {})["peak_mb"] = peak_in_own_process(name, b)
     base = result["inference"]
