@@ -1,7 +1,8 @@
 """Empirical privacy audit of every auditable recipe: epsilon claimed (the run's ledger) vs the canary lower
 bound (95 % confidence), at several budgets; then the deliberately broken variants of the tests
-(clipping off, noise halved, the ledger told a quarter of the sampling rate), built here as patches of the
-library's clipping, noise and sampler that are undone after each audit, never in the library.
+(clipping off, noise halved, the ledger told a quarter of the sampling rate), imported from
+tests/broken_variants.py and applied as patches of the library's clipping, noise and sampler that are undone
+after each audit, never in the library.
 
     dpopt reproduce audit_table [--budgets 1 2 4 8] [--deltas 1e-5 1e-3] [--seeds 5] [--out DIR]
                                 [--families dp-sgd ...] [--broken-delta D]
@@ -18,6 +19,7 @@ import dataclasses
 import csv
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -27,31 +29,11 @@ import torch
 
 from dpopt.audit import AUDIT_SETUPS, AuditSpec, audit
 from dpopt.audit.canaries import ProjectedDirac
-from dpopt.clipping import Clipping
-from dpopt.data.samplers import PoissonSampler
-from dpopt.noise.gaussian import GaussianNoise
-from dpopt.privacy import PoissonSampling
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the broken variants live there only
+from broken_variants import BROKEN  # noqa: E402
 
 BROKEN_FAMILIES = ("dp-sgd", "disk-adam", "dp-grape", "dp-galore")
-
-
-def _no_clipping(self: Clipping, sq_norms: torch.Tensor, groups: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.ones_like(sq_norms), torch.isfinite(sq_norms.sum(1))
-
-
-_sampler_init = PoissonSampler.__init__
-
-
-def _undercounting_sampler(self: PoissonSampler, dataset_size: int, rate: float, stream) -> None:
-    _sampler_init(self, dataset_size, rate, stream)
-    self.participation = PoissonSampling(rate / 4)
-
-
-BROKEN = {
-    "clipping-off": (Clipping, "weights", _no_clipping),
-    "noise-halved": (GaussianNoise, "std", property(lambda self: self.noise_multiplier * self.sensitivity / 2)),
-    "wrong-sampling-rate": (PoissonSampler, "__init__", _undercounting_sampler),
-}
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """Empirical privacy auditing: the statistical core against reference values, and the audit of every
 family's recipe, correct (bound below the claim) and deliberately broken (bound above it). The broken
-variants live only here, as monkeypatches of the library's clipping, noise and sampler."""
+variants live only under tests/ (here and in broken_variants.py), as monkeypatches of the library's clipping, noise
+and sampler."""
 
 import json
 import math
@@ -19,12 +20,13 @@ from dpopt.audit.federated import LocalDPClients
 from dpopt.audit.scalar import ScalarRuns
 from dpopt.cli import main
 from dpopt.clipping import Clipping
-from dpopt.data.samplers import PoissonSampler, ShuffleSampler
+from dpopt.data.samplers import ShuffleSampler
 from dpopt.federated.privacy import ClientNoise, LocalNoise
 from dpopt.noise.correlated import CorrelatedNoise
-from dpopt.noise.gaussian import GaussianNoise
-from dpopt.privacy import GaussianRelease, PoissonSampling, epsilon_of
+from dpopt.privacy import GaussianRelease, epsilon_of
 from dpopt.privacy.ledger import FixedParticipation
+
+from broken_variants import BROKEN, no_clipping
 
 # --- the statistical core ---------------------------------------------------------------------------
 
@@ -130,26 +132,6 @@ def test_correct_recipe_stays_below_its_claim(algorithm):
     assert floor * result.epsilon_claimed < result.epsilon_lower < result.epsilon_claimed
 
 
-def _no_clipping(self, sq_norms, groups):
-    return torch.ones_like(sq_norms), torch.isfinite(sq_norms.sum(1))
-
-
-_sampler_init = PoissonSampler.__init__
-
-
-def _undercounting_sampler(self, dataset_size, rate, stream):
-    """Samples at ``rate`` but tells the ledger (and the calibration) a quarter of it."""
-    _sampler_init(self, dataset_size, rate, stream)
-    self.participation = PoissonSampling(rate / 4)
-
-
-BROKEN = {
-    "clipping-off": (Clipping, "weights", _no_clipping),
-    "noise-halved": (GaussianNoise, "std", property(lambda self: self.noise_multiplier * self.sensitivity / 2)),
-    "wrong-sampling-rate": (PoissonSampler, "__init__", _undercounting_sampler),
-}
-
-
 @pytest.mark.parametrize("variant", sorted(BROKEN))
 @pytest.mark.parametrize("algorithm", ["dp-sgd", "disk-adam", "dp-grape", "dp-galore", "dpzero"])
 def test_broken_variant_exceeds_its_claim(algorithm, variant, monkeypatch):
@@ -174,7 +156,7 @@ def _batches_of_the_real_epoch(self, step):
 # (participation period) twice as long as the one its batches cycle through, so every canary takes part twice
 # as often as the noise's sensitivity and the ledger assume.
 CORRELATED_BROKEN = {
-    "clipping-off": [(Clipping, "weights", _no_clipping)],
+    "clipping-off": [(Clipping, "weights", no_clipping)],
     "noise-halved": [(CorrelatedNoise, "std",
                       property(lambda self: self.noise_multiplier * self.sensitivity * self.scale / 2))],
     "wrong-participation": [(ShuffleSampler, "steps_per_epoch", property(_epoch_twice_as_long)),

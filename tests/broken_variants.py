@@ -1,0 +1,30 @@
+"""The deliberately broken variants of the first-order audit (issue 9: they exist only under tests/), as
+(owner, attribute, replacement) patches of the library's clipping, noise and sampler; tests/test_audit.py
+applies them with monkeypatch, experiments/audit_table.py with mock.patch.object."""
+
+import torch
+
+from dpopt.clipping import Clipping
+from dpopt.data.samplers import PoissonSampler
+from dpopt.noise.gaussian import GaussianNoise
+from dpopt.privacy import PoissonSampling
+
+
+def no_clipping(self: Clipping, sq_norms: torch.Tensor, groups: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ones_like(sq_norms), torch.isfinite(sq_norms.sum(1))
+
+
+_sampler_init = PoissonSampler.__init__
+
+
+def _undercounting_sampler(self: PoissonSampler, dataset_size: int, rate: float, stream) -> None:
+    """Samples at ``rate`` but tells the ledger (and the calibration) a quarter of it."""
+    _sampler_init(self, dataset_size, rate, stream)
+    self.participation = PoissonSampling(rate / 4)
+
+
+BROKEN = {
+    "clipping-off": (Clipping, "weights", no_clipping),
+    "noise-halved": (GaussianNoise, "std", property(lambda self: self.noise_multiplier * self.sensitivity / 2)),
+    "wrong-sampling-rate": (PoissonSampler, "__init__", _undercounting_sampler),
+}
