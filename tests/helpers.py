@@ -1,8 +1,11 @@
-"""Small models covering every layer rule, shared by the tests."""
+"""Small models covering every layer rule, and a run cut short as a kill would, shared by the tests."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dpopt.train import TrainConfig, train
 
 
 class Scaled(nn.Module):
@@ -59,3 +62,18 @@ def zoo_loss(model, batch):
 def mlp_loss(model, batch):
     x, y = batch
     return F.cross_entropy(model(x), y, reduction="none")
+
+
+class Crash(Exception):
+    """Raised from a run's log callback to stop it where a kill would."""
+
+
+def train_until_first_epoch_ends(config: TrainConfig, folder) -> None:
+    """Run ``train`` until it logs the end of epoch 1 (its checkpoint written), and stop it there."""
+
+    def crash(msg: str) -> None:
+        if msg.startswith("epoch 1/"):
+            raise Crash
+
+    with pytest.raises(Crash):
+        train(config, folder, progress=False, log=crash)
