@@ -81,6 +81,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, metavar="N",
                    help="also checkpoint after every N-th step within an epoch, so a crash loses at most N steps "
                         "(0: at epoch ends only)")
+    p.add_argument("--trainable", metavar="REGEX",
+                   help="train only the parameters whose names match this regular expression (e.g. 'head|bias' "
+                        "for a head plus BitFit); the others stay frozen at their pretrained values")
     p.add_argument("--resume", metavar="DIR", help="continue the run whose checkpoint is in DIR")
     p.add_argument("--nproc", type=_positive_int, default=1,
                    help="data-parallel: split each step over N local processes (gloo); under torchrun the "

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import json
 import math
+import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ class TrainConfig:
     strategy: str = "auto"
     download: bool = False
     checkpoint_every: int = 0  # also checkpoint after every N-th step within an epoch (0: at epoch ends only)
+    trainable: str | None = None  # regular expression: train only the parameters whose names it matches
     hp: Hyperparameters = Hyperparameters()
 
     def validate(self) -> None:
@@ -94,6 +96,11 @@ class TrainConfig:
                              f"got {self.checkpoint_every}")
         Relation(self.relation)
         Clipping(self.clip, self.clipping)
+        if self.trainable is not None:
+            try:
+                re.compile(self.trainable)
+            except re.error as e:
+                raise ValueError(f"trainable {self.trainable!r} is not a regular expression: {e}") from None
 
     @property
     def noise_kind(self) -> str:
@@ -169,6 +176,8 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel:
                       "releasing an example outright; use delta << 1/n", stacklevel=2)
     torch.manual_seed(derive_seed(config.seed, "public", "init"))
     model = build_model(config.model, data)
+    if config.trainable is not None:
+        log(freeze_all_but(model, config.trainable))
     engine = PerExampleEngine(model, classification_loss, config.per_example, config.strategy)
     engine.check_no_mixing()
     check_per_example(model, classification_loss, take(data.train, torch.arange(min(8, n))))
@@ -182,6 +191,21 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel:
     privatizer = Privatizer(clipping, noise, sampler, ledger, parallel)
     optimizer = build_algorithm(config.algorithm, engine, privatizer, config.hp)
     return Run(config, data, model, optimizer, sampler, ledger, total)
+
+
+def freeze_all_but(model: nn.Module, pattern: str) -> str:
+    """Train only the parameters whose names match ``pattern`` (``re.search``); freeze the rest. The frozen
+    ones never see the data, so the privacy guarantee covers exactly what is trained."""
+    names = [n for n, _ in model.named_parameters()]
+    chosen = [n for n in names if re.search(pattern, n)]
+    if not chosen:
+        raise ValueError(f"trainable {pattern!r} matches no parameter of the model; its parameters are named "
+                         f"{', '.join(names[:6])}{', ...' if len(names) > 6 else ''}")
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in chosen)
+    kept = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return f"training {len(chosen)} of {len(names)} parameter tensors ({kept:,} of " \
+           f"{sum(p.numel() for p in model.parameters()):,} numbers) matching {pattern!r}"
 
 
 def build_run_noise(config: TrainConfig, sampler: Sampler, total: int, clip: float, stream: SecretStream,

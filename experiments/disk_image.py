@@ -1,8 +1,8 @@
 """DiSK vs its base on MNIST and Fashion-MNIST with the small Tanh CNN (the paper's Fig. 1a analogue).
 
 For each dataset, epsilon in {0.5, 1, 2, 4, 8} (delta 1e-5), base in {DP-SGD, DP-Adam} and seed: the base
-and DiSK (kappa 0.7, gamma 0.5) with the *same* base hyper-parameters (the paper tunes the base only,
-L744). ``--tune`` first picks each base's learning rate on a held-out split (the last 10,000 training
+and DiSK (kappa 0.7, gamma 0.5; several values of ``--kappa``/``--gamma`` make an ablation over their grid) with
+the *same* base hyper-parameters (the paper tunes the base only, L744). ``--tune`` first picks each base's learning rate on a held-out split (the last 10,000 training
 images as validation, the base alone, one epsilon, a seed outside the grid) and writes tuning.json, which
 the grid then reads. Every finished run is appended to results.jsonl and skipped when the command is run
 again; ``--summarize`` writes table.md (mean ± std test accuracy) and accuracy_vs_epsilon.png.
@@ -81,29 +81,39 @@ def hyperparameters(tuned: Path, dataset: str, base: str, kappa: float, gamma: f
     return dataclasses.replace(hp, kappa=kappa, gamma=gamma)
 
 
+def variant(row: dict) -> tuple[float | None, float | None]:
+    """(kappa, gamma) of a DiSK row, (None, None) for a base row; rows written before the ablation flags
+    existed were all kappa 0.7, gamma 0.5."""
+    return (None, None) if row["method"] == "base" else (row.get("kappa", 0.7), row.get("gamma", 0.5))
+
+
 def summarize(out: Path) -> str:
     """Mean ± std over seeds; "DiSK ahead" counts the seeds in which DiSK beat its base (a paired comparison:
     at one seed both see the same batches and the same noise draws)."""
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     groups: dict[tuple, dict[int, float]] = {}
     for r in rows:
-        groups.setdefault((r["dataset"], r["base"], r["epsilon"], r["method"]), {})[r["seed"]] = r["test_accuracy"]
-    lines = ["| dataset | base | epsilon | base accuracy (%) | DiSK accuracy (%) | gain (points) | DiSK ahead |",
-             "|---|---|---|---|---|---|---|"]
+        kappa, gamma = variant(r)
+        method = "base" if kappa is None else f"κ {kappa:g}, γ {gamma:g}"
+        groups.setdefault((r["dataset"], r["base"], r["epsilon"], method), {})[r["seed"]] = r["test_accuracy"]
+    lines = ["| dataset | base | epsilon | DiSK κ, γ | base accuracy (%) | DiSK accuracy (%) | gain (points) | DiSK ahead |",
+             "|---|---|---|---|---|---|---|---|"]
     curves: dict[tuple, list[tuple[float, float, float]]] = {}
     sd = lambda v: statistics.stdev(v) if len(v) > 1 else 0.0  # noqa: E731
-    for (dataset, base, eps, method) in sorted(groups):
-        if method != "base" or (dataset, base, eps, "disk") not in groups:
+    for (dataset, base, eps, method) in sorted(groups, key=lambda g: (g[:3], g[3] != "base", g[3])):
+        if method == "base" or (dataset, base, eps, "base") not in groups:
             continue
-        by_seed_b, by_seed_k = groups[(dataset, base, eps, "base")], groups[(dataset, base, eps, "disk")]
+        by_seed_b, by_seed_k = groups[(dataset, base, eps, "base")], groups[(dataset, base, eps, method)]
         seeds = sorted(set(by_seed_b) & set(by_seed_k))
         b, k = [by_seed_b[s] for s in seeds], [by_seed_k[s] for s in seeds]
         ahead = sum(y > x for x, y in zip(b, k))
-        lines.append(f"| {dataset} | dp-{base} | {eps} | {100 * statistics.mean(b):.2f} ± {100 * sd(b):.2f} | "
+        lines.append(f"| {dataset} | dp-{base} | {eps} | {method[2:].replace(', γ ', ', ')} | "
+                     f"{100 * statistics.mean(b):.2f} ± {100 * sd(b):.2f} | "
                      f"{100 * statistics.mean(k):.2f} ± {100 * sd(k):.2f} | "
                      f"{100 * (statistics.mean(k) - statistics.mean(b)):+.2f} | {ahead}/{len(seeds)} |")
-        for m, v in (("base", b), ("disk", k)):
-            curves.setdefault((dataset, base, m), []).append((eps, statistics.mean(v), sd(v)))
+        for m, v in (("base", b), (method, k)):
+            if (eps, statistics.mean(v), sd(v)) not in curves.get((dataset, base, m), []):
+                curves.setdefault((dataset, base, m), []).append((eps, statistics.mean(v), sd(v)))
     table = "\n".join(lines) + "\n"
     (out / "table.md").write_text(table)
     import matplotlib
@@ -116,8 +126,11 @@ def summarize(out: Path) -> str:
     for row, dataset in zip(axes, datasets):
         for ax, base in zip(row, bases):
             name = "SGD" if base == "sgd" else "Adam"
-            for m, style in (("base", dict(color="0.45", linestyle="--", label=f"DP-{name}")),
-                             ("disk", dict(color="C3", linestyle="-", label=f"DiSK on DP-{name}"))):
+            variants = sorted({k[2] for k in curves if k[:2] == (dataset, base) and k[2] != "base"})
+            styles = [("base", dict(color="0.45", linestyle="--", label=f"DP-{name}"))] + [
+                (v, dict(color=f"C{3 + i}", linestyle="-", label=f"DiSK ({v}) on DP-{name}"))
+                for i, v in enumerate(variants)]
+            for m, style in styles:
                 pts = sorted(curves.get((dataset, base, m), []))
                 ax.errorbar([q[0] for q in pts], [100 * q[1] for q in pts], [100 * q[2] for q in pts], capsize=3,
                             marker="o", **style)
@@ -148,8 +161,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tune", action="store_true", help="only choose the bases' learning rates (tuning.json)")
     p.add_argument("--tune-epsilon", type=float, default=2.0)
     p.add_argument("--tuning", help="tuning.json to read (default: the one in --out)")
-    p.add_argument("--kappa", type=float, default=0.7, help="DiSK's Kalman gain")
-    p.add_argument("--gamma", type=float, default=0.5, help="DiSK's extrapolation step")
+    p.add_argument("--kappa", type=float, nargs="+", default=[0.7], help="DiSK's Kalman gain (several: an ablation)")
+    p.add_argument("--gamma", type=float, nargs="+", default=[0.5],
+                   help="DiSK's extrapolation step (several: an ablation over the kappa x gamma grid)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     out = Path(a.out)
@@ -160,25 +174,27 @@ def main(argv: list[str]) -> int:
     log = out / "results.jsonl"
     tuned = Path(a.tuning) if a.tuning else out / "tuning.json"
     if not a.summarize:
-        done = {(r["dataset"], r["base"], r["epsilon"], r["method"], r["seed"])
+        done = {(r["dataset"], r["base"], r["epsilon"], r["method"], r["seed"], *variant(r))
                 for r in map(json.loads, log.read_text().splitlines())} if log.exists() else set()
+        variants = [("base", None, None)] + [("disk", k, g) for k in a.kappa for g in a.gamma]
         for dataset in a.datasets:
             for eps in a.epsilons:
                 for base in a.bases:
                     for seed in range(a.seeds):
-                        for method in ("base", "disk"):
-                            if (dataset, base, eps, method, seed) in done:
+                        for method, kappa, gamma in variants:
+                            if (dataset, base, eps, method, seed, kappa, gamma) in done:
                                 continue
                             algorithm = f"{'disk' if method == 'disk' else 'dp'}-{base}"
+                            hp = hyperparameters(tuned, dataset, base, *(a.kappa[0], a.gamma[0]) if kappa is None
+                                                 else (kappa, gamma))
                             config = TrainConfig(algorithm=algorithm, dataset=dataset, model="cnn", epsilon=eps,
                                                  delta=1e-5, epochs=a.epochs, batch_size=a.batch_size, clip=a.clip,
-                                                 seed=seed, hp=hyperparameters(tuned, dataset, base, a.kappa,
-                                                                               a.gamma))
+                                                 seed=seed, hp=hp)
                             m = train(config, progress=False, log=lambda s: None)
                             row = {"dataset": dataset, "base": base, "epsilon": eps, "method": method, "seed": seed,
                                    "test_accuracy": m["test_accuracy"], "epsilon_spent": m["epsilon"],
                                    "lr": config.hp.lr, "epochs": a.epochs, "batch_size": a.batch_size,
-                                   **({"kappa": a.kappa, "gamma": a.gamma} if method == "disk" else {}),
+                                   **({"kappa": kappa, "gamma": gamma} if method == "disk" else {}),
                                    "noise_multiplier": m["noise_multiplier"], "steps": m["steps"],
                                    "accuracy_per_epoch": [h["test_accuracy"] for h in m["history"]],
                                    "wall_time_s": m["wall_time_s"]}

@@ -53,12 +53,12 @@ def held_out(size: int) -> dict[str, torch.Tensor]:
     return take(full, rest[torch.randperm(len(rest), generator=g)[:size]].sort().values)
 
 
-def finite_difference_scale(model: str, batch_size: int = 64) -> list[float]:
+def finite_difference_scale(model: str, trainable: str | None, batch_size: int = 64) -> list[float]:
     """Quantiles (50, 90, 99, 100 %) of |s_i| at the pretrained point on one batch: the scale to clip at."""
     from dpopt.grad.zeroth_order import Direction, finite_differences
 
-    run = build_run(TrainConfig(algorithm="mezo", dataset="rotten-tomatoes-512", model=model, epochs=1),
-                    log=lambda _: None)
+    run = build_run(TrainConfig(algorithm="mezo", dataset="rotten-tomatoes-512", model=model, epochs=1,
+                                trainable=trainable), log=lambda _: None)
     s = finite_differences(run.optimizer.engine, take(run.data.train, torch.arange(batch_size)),
                            Direction(run.optimizer.params, 0), 1e-3).values.abs()
     return torch.quantile(s, torch.tensor([0.5, 0.9, 0.99, 1.0], dtype=s.dtype)).tolist()
@@ -75,7 +75,8 @@ def one_run(algorithm: str, epsilon: float | None, steps: int, args: argparse.Na
           else Hyperparameters(lr=args.grape_lr, rank=16, subspace_every=100))
     config = TrainConfig(algorithm=algorithm, dataset="rotten-tomatoes-512", model=args.model, epsilon=epsilon,
                          delta=1e-5, epochs=steps // per_epoch, batch_size=batch,
-                         clip=args.clip if zeroth else args.grape_clip, seed=args.seed, hp=hp)
+                         clip=args.clip if zeroth else args.grape_clip, seed=args.seed, hp=hp,
+                         trainable=args.trainable)
     run = build_run(config, log=lambda msg: print("  " + msg, flush=True))
     history = [{"step": 0, "test_accuracy": accuracy(run.model, test, 256), "epsilon": 0.0}]
     losses: list[float] = []
@@ -116,6 +117,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--eval-every", type=int, default=128)
     p.add_argument("--test-size", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trainable", metavar="REGEX",
+                   help="train only the matching parameters (e.g. '^head' for the prompt head alone)")
     p.add_argument("--tune", type=float, nargs="+", metavar="LR",
                    help="instead: MeZO at these learning rates for --steps steps, scored on --test-size held-out "
                         "training-split snippets (no test data)")
@@ -127,10 +130,11 @@ def main(argv: list[str]) -> int:
     log = out / "text.jsonl"
     done = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     key = lambda r: (r["config"]["model"], r["algorithm"], r["epsilon"], r["steps"], r["config"]["batch_size"],  # noqa: E731
-                     r["config"]["hp"]["lr"], r["config"]["clip"])
+                     r["config"]["hp"]["lr"], r["config"]["clip"], r["config"].get("trainable"))
 
     if a.tune:
-        print("|s_i| quantiles 50/90/99/100%: " + json.dumps(finite_difference_scale(a.model)), flush=True)
+        print("|s_i| quantiles 50/90/99/100%: " + json.dumps(finite_difference_scale(a.model, a.trainable)),
+              flush=True)
         tune = held_out(a.test_size)
         for lr in a.tune:
             a.lr = lr
@@ -157,7 +161,7 @@ def main(argv: list[str]) -> int:
     for algorithm, eps, steps in plan:
         zeroth = algorithm in ("dpzero", "mezo")
         wanted = (a.model, algorithm, eps, steps, a.batch_size, a.lr if zeroth else a.grape_lr,
-                  a.clip if zeroth else a.grape_clip)
+                  a.clip if zeroth else a.grape_clip, a.trainable)
         if any(key(r) == wanted for r in done):
             continue
         print(f"{algorithm} eps={eps}: {steps} steps", flush=True)

@@ -104,6 +104,8 @@ def test_missing_and_corrupt_checkpoints(tmp_path, capsys):
     (["--batch-size", "5000"], "batch size must lie in [1, 1437]"),
     (["--batch-size", "0"], "must be an integer >= 1"),
     (["--epochs", "0"], "must be an integer >= 1"),
+    (["--trainable", "("], "not a regular expression"),
+    (["--trainable", "head"], "matches no parameter of the model; its parameters are named 1.weight"),
 ])
 def test_bad_input_gets_a_clear_error(args, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -238,6 +240,30 @@ def test_checkpoint_holds_model_optimizer_ledger_sampler_and_rng_and_refuses_a_c
     save_checkpoint(tmp_path, state)
     with pytest.raises(CheckpointError, match="lacks sampler"):
         resume(tmp_path, progress=False, log=quiet)
+
+
+@pytest.mark.parametrize("algorithm", ["dp-adam", "dpzero"])
+def test_trainable_trains_only_the_matching_parameters(tmp_path, algorithm):
+    """--trainable freezes every other parameter: the checkpoint's frozen tensors are the initial ones, the
+    chosen ones moved, and the run's ledger is the same as training everything (privacy does not depend on
+    which parameters are trained)."""
+    config = TrainConfig(algorithm=algorithm, epochs=1, epsilon=2.0, trainable=r"^3\.", hp=Hyperparameters(lr=0.05))
+    metrics = train(config, tmp_path / "head", progress=False, log=quiet)
+    full = train(TrainConfig(algorithm=algorithm, epochs=1, epsilon=2.0, hp=Hyperparameters(lr=0.05)),
+                 tmp_path / "all", progress=False, log=quiet)
+    head, everything = load_checkpoint(tmp_path / "head")["model"], load_checkpoint(tmp_path / "all")["model"]
+    initial = initial_state(config)
+    for name, value in head.items():
+        assert torch.equal(value, initial[name]) == (not name.startswith("3.")), name
+        assert not torch.equal(everything[name], initial[name]), name
+    assert metrics["epsilon"] == full["epsilon"] and metrics["steps"] == full["steps"]
+
+
+def initial_state(config: TrainConfig) -> dict[str, torch.Tensor]:
+    """The model a run starts from (built under the run's public init seed)."""
+    from dpopt.train import build_run
+
+    return {k: v.clone() for k, v in build_run(config, log=quiet).model.state_dict().items()}
 
 
 def test_privacy_statement_says_whether_the_noise_is_reproducible():
