@@ -2,7 +2,8 @@
 
 Setting (paper, RoBERTa-355M: prompt-based fine-tuning from the zero-shot model, 512 examples per class,
 batch 64, 10,000 steps, lambda 1e-3, lr 1e-6, eps in {2, 6}, delta 1e-5; DP first-order methods 1,000 steps):
-here all-MiniLM-L6-v2 (22.6M parameters, every one trained) on ``rotten-tomatoes-512`` (1,024 training
+here all-MiniLM-L6-v2 (22.6M parameters, every one trained; ``--trainable REGEX`` trains a subset, e.g. the
+prompt head alone) on ``rotten-tomatoes-512`` (1,024 training
 snippets, sequence 64), through ``dpopt.train.build_run``: Poisson batches, noise calibrated by the PLD
 accountant for the run's exact number of steps, the trainer's secret streams. Far fewer steps than the paper
 (two shared CPU cores). Accuracy on a fixed 1,000-snippet subset of the test split every ``--eval-every`` steps.
@@ -110,7 +111,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--clip", type=float, default=10.0)
     p.add_argument("--smoothing", type=float, default=1e-3)
     p.add_argument("--epsilons", type=float, nargs="+", default=[2.0, 6.0])
-    p.add_argument("--algorithms", nargs="+", default=["dpzero", "mezo", "dp-grape"])
+    p.add_argument("--algorithms", nargs="+", default=["dpzero", "mezo", "dp-grape"],
+                   help="zeroth-order (dpzero, mezo) and first-order ones (dp-grape; dp-adam where nothing is "
+                        "projectable, e.g. the head alone); the --grape-* settings apply to the first-order ones")
     p.add_argument("--grape-steps", type=int, default=128)
     p.add_argument("--grape-lr", type=float, default=1e-3)
     p.add_argument("--grape-clip", type=float, default=1.0)
@@ -155,7 +158,7 @@ def main(argv: list[str]) -> int:
     (out / "text_baselines.json").write_text(json.dumps(baselines, indent=2))
     plan = []
     for algorithm in a.algorithms:
-        steps = a.grape_steps if algorithm == "dp-grape" else a.steps
+        steps = a.steps if algorithm in ("dpzero", "mezo") else a.grape_steps
         for eps in ([None] if algorithm == "mezo" else a.epsilons):
             plan.append((algorithm, eps, steps))
     for algorithm, eps, steps in plan:

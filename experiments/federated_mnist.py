@@ -4,9 +4,9 @@ clients, with local DP noise sigma_omega = r * tau for noise-to-clip ratios r in
 Models (the paper's, layer order of the CNN unstated): MLP 784 -> 256 (Tanh) -> 10; CNN Conv(1->16, k5, p2)
 -> Tanh -> MaxPool(2) -> Conv(16->16, k5, p2) -> Tanh -> Linear(16*14*14 -> 10). n clients with an iid split
 (the paper's code base), mini-batches of 32 per client and round, global clipping. For each ratio and method
-a grid over (gamma, tau) (and beta-hat for Clip21-SGD2M, beta = 0.1) is searched on the MLP with one seed and
-the setting with the lowest final training loss is kept (no test-set selection); the CNN reuses the MLP's
-selection (a CPU budget). Reported: training loss (10k fixed training examples) and test accuracy at the
+a grid over (gamma, tau) (and beta-hat and beta for Clip21-SGD2M; beta = 0.1 by default) is searched on the MLP
+with one seed and the setting with the lowest final training loss is kept (no test-set selection); the CNN
+reuses the MLP's selection (a CPU budget) unless ``--search-per-model``. Reported: training loss (10k fixed training examples) and test accuracy at the
 end, and each client's (epsilon, delta = 1e-5) from its ledger.
 Paper claims (L263, L2101; they conflict): Clip-SGD and Clip21-SGD2M beat Clip21-SGD at every ratio; which
 of Clip-SGD and Clip21-SGD2M is better depends on the ratio.
@@ -66,9 +66,9 @@ def problem(model_name: str, clients: int, seed: int) -> Problem:
     return Problem(oracle, layout.flatten(model), layout.sizes, [len(p) for p in parts], evaluate)
 
 
-def run(model_name: str, method: str, ratio: float, lr: float, tau: float, beta_hat: float, args: argparse.Namespace,
-        seed: int) -> dict:
-    kw = dict(beta=0.1, beta_hat=beta_hat) if method == "clip21-sgd2m" else {}
+def run(model_name: str, method: str, ratio: float, lr: float, tau: float, beta_hat: float, beta: float,
+        args: argparse.Namespace, seed: int) -> dict:
+    kw = dict(beta=beta, beta_hat=beta_hat) if method == "clip21-sgd2m" else {}
     config = FederatedConfig(algorithm=method, clients=args.clients, rounds=args.rounds, noise_multiplier=ratio,
                              tau=tau, lr=lr, seed=seed, **kw)
     setup = build_setup(config, problem(model_name, args.clients, seed))
@@ -92,6 +92,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--lrs", type=float, nargs="+", default=[0.01, 0.1, 1.0])
     p.add_argument("--taus", type=float, nargs="+", default=[0.01, 0.1])
     p.add_argument("--beta-hats", type=float, nargs="+", default=[0.01, 0.1, 0.5])
+    p.add_argument("--betas", type=float, nargs="+", default=[0.1], help="Clip21-SGD2M's client momentum grid")
+    p.add_argument("--search-per-model", action="store_true",
+                   help="search the grid on every model (default: on the first, reused by the others)")
+    p.add_argument("--name", default="mnist", help="file name of the results (NAME.json, NAME.png)")
     p.add_argument("--seeds", type=int, default=1, help="seeds of the final runs (the search uses seed 0)")
     p.add_argument("--out", default="experiments/results/federated")
     a = p.parse_args(argv)
@@ -99,28 +103,32 @@ def main(argv: list[str]) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
-    chosen: dict[tuple[str, float], tuple[float, float, float]] = {}
+    chosen: dict[tuple[str, float], tuple[float, float, float, float]] = {}
     for model_name in a.models:
+        if a.search_per_model:
+            chosen.clear()
         for ratio, method in itertools.product(a.ratios, METHODS):
-            if (method, ratio) not in chosen:  # search on the first model (the MLP)
-                grid = itertools.product(a.lrs, a.taus, a.beta_hats if method == "clip21-sgd2m" else [1.0])
+            if (method, ratio) not in chosen:  # search on the first model (the MLP), or on each
+                momentum = (a.beta_hats, a.betas) if method == "clip21-sgd2m" else ([1.0], [1.0])
+                grid = itertools.product(a.lrs, a.taus, *momentum)
                 search = {g: run(model_name, method, ratio, *g, a, 0) for g in grid}
                 chosen[method, ratio] = min(search, key=lambda g: search[g]["train_loss"])
                 results.append({"model": model_name, "method": method, "ratio": ratio, "search": {
-                    f"lr={g[0]:g},tau={g[1]:g},beta_hat={g[2]:g}": r for g, r in search.items()}})
-            lr, tau, beta_hat = chosen[method, ratio]
-            finals = [run(model_name, method, ratio, lr, tau, beta_hat, a, s) for s in range(a.seeds)]
+                    f"lr={g[0]:g},tau={g[1]:g},beta_hat={g[2]:g},beta={g[3]:g}": r for g, r in search.items()}})
+            lr, tau, beta_hat, beta = chosen[method, ratio]
+            finals = [run(model_name, method, ratio, lr, tau, beta_hat, beta, a, s) for s in range(a.seeds)]
             row = {"model": model_name, "method": method, "ratio": ratio, "lr": lr, "tau": tau, "beta_hat": beta_hat,
+                   "beta": beta,
                    "train_loss": statistics.mean(r["train_loss"] for r in finals),
                    "test_accuracy": statistics.mean(r["test_accuracy"] for r in finals),
                    "epsilon": finals[0]["epsilon"], "runs": finals}
             results.append(row)
             print(f"{model_name} r={ratio:<4g} {method:<13} lr={lr:g} tau={tau:g}"
-                  f"{' beta_hat=%g' % beta_hat if method == 'clip21-sgd2m' else ''}: train loss "
+                  f"{' beta_hat=%g beta=%g' % (beta_hat, beta) if method == 'clip21-sgd2m' else ''}: train loss "
                   f"{row['train_loss']:.4f}, test accuracy {row['test_accuracy']:.4f}, epsilon {row['epsilon']:.4g}",
                   flush=True)
-            (out / "mnist.json").write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
-    plot([r for r in results if "search" not in r], out / "mnist.png")
+            (out / f"{a.name}.json").write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
+    plot([r for r in results if "search" not in r], out / f"{a.name}.png")
     return 0
 
 
