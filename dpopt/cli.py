@@ -22,7 +22,7 @@ from dpopt.models import MODELS
 from dpopt.noise.mechanisms import NOISES
 from dpopt.privacy import (AccountingError, FixedParticipation, GaussianRelease, PoissonSampling, Relation,
                            epsilon_of, noise_multiplier_for)
-from dpopt.train import TrainConfig, resume, train
+from dpopt.train import CALIBRATIONS, TrainConfig, resume, train
 
 DEFAULT_EPSILON = 2.0
 
@@ -81,6 +81,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, metavar="N",
                    help="also checkpoint after every N-th step within an epoch, so a crash loses at most N steps "
                         "(0: at epoch ends only)")
+    p.add_argument("--calibration", default=d.calibration, choices=CALIBRATIONS,
+                   help="how --epsilon sets iid noise: the ledger's accountant (tight, with amplification), or "
+                        "DPZero's advanced-composition formula (Lemma 2.2; loose, for faithful reproductions); "
+                        "the reported epsilon is always the ledger's")
     p.add_argument("--trainable", metavar="REGEX",
                    help="train only the parameters whose names match this regular expression (e.g. 'head|bias' "
                         "for a head plus BitFit); the others stay frozen at their pretrained values")

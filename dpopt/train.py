@@ -40,9 +40,13 @@ from dpopt.noise.correlated import CorrelatedNoise
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.mechanisms import NOISES, build_noise
 from dpopt.noise.rng import SecretStream, derive_seed
-from dpopt.privacy import PoissonSampling, PrivacyLedger, Relation, check_budget, noise_multiplier_for
+from dpopt.privacy import (PoissonSampling, PrivacyLedger, Relation, advanced_composition_noise, check_budget,
+                           noise_multiplier_for)
 from dpopt.privacy.ledger import ACCOUNTANTS
 from dpopt.privacy.statement import privacy_statement
+
+
+CALIBRATIONS = ("accountant", "advanced-composition")
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ class TrainConfig:
     download: bool = False
     checkpoint_every: int = 0  # also checkpoint after every N-th step within an epoch (0: at epoch ends only)
     trainable: str | None = None  # regular expression: train only the parameters whose names it matches
+    calibration: str = "accountant"  # or "advanced-composition" (DPZero Lemma 2.2: loose, for faithful reproductions)
     hp: Hyperparameters = Hyperparameters()
 
     def validate(self) -> None:
@@ -96,6 +101,11 @@ class TrainConfig:
                              f"got {self.checkpoint_every}")
         Relation(self.relation)
         Clipping(self.clip, self.clipping)
+        if self.calibration not in CALIBRATIONS:
+            raise ValueError(f"unknown calibration {self.calibration!r}; choose one of {', '.join(CALIBRATIONS)}")
+        if self.calibration != "accountant" and (self.epsilon is None or self.noise_kind != "gaussian"):
+            raise ValueError(f"calibration {self.calibration!r} sets iid Gaussian noise from --epsilon; it does not "
+                             "apply to a given noise multiplier, a non-private algorithm or correlated noise")
         if self.trainable is not None:
             try:
                 re.compile(self.trainable)
@@ -226,7 +236,12 @@ def build_run_noise(config: TrainConfig, sampler: Sampler, total: int, clip: flo
         release = functools.partial(noise.whole_run, participation=sampler.participation)
         release(1.0)
     z = config.noise_multiplier
-    if z is None:
+    if z is None and config.calibration == "advanced-composition":
+        sum_sensitivity = 2.0 if Relation(config.relation) is Relation.REPLACE_ONE else 1.0  # in units of C
+        z = advanced_composition_noise(config.epsilon, config.delta, total) * sum_sensitivity
+        log(f"noise multiplier {z:.4f} from advanced composition (DPZero Lemma 2.2, no amplification) for "
+            f"({config.epsilon}, {config.delta})-DP over {total} steps; the ledger reports the exact, lower epsilon")
+    elif z is None:
         z = noise_multiplier_for(config.epsilon, config.delta, sampler.participation, total, config.accountant,
                                  config.relation, release)
         log(f"calibrated noise multiplier {z:.4f} for ({config.epsilon}, {config.delta})-DP over {total} steps "

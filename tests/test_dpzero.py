@@ -335,6 +335,25 @@ def test_advanced_composition_matches_the_paper_and_is_looser_than_pld():
     assert "(" + f"{eps:.4g}" in privacy_statement(ledger, 1e-6)
 
 
+@pytest.mark.parametrize("relation,factor", [("add-remove", 1.0), ("replace-one", 2.0)])
+def test_train_calibrates_by_advanced_composition_on_request(relation, factor, capsys):
+    """--calibration advanced-composition: the noise multiplier is Lemma 2.2's sigma over the clipped sum's
+    sensitivity (C, or 2C under replace-one), and the ledger still reports the exact epsilon of that noise,
+    below the target (the formula ignores subsampling and is loose)."""
+    config = TrainConfig(algorithm="dpzero", epochs=2, epsilon=2.0, relation=relation,
+                         calibration="advanced-composition", hp=Hyperparameters(lr=0.01))
+    m = train(config, progress=False, log=lambda _: None)
+    assert m["noise_multiplier"] == pytest.approx(factor * advanced_composition_noise(2.0, 1e-5, m["steps"]))
+    assert m["epsilon"] < 0.2 * 2.0
+    accountant = train(TrainConfig(algorithm="dpzero", epochs=2, epsilon=2.0, relation=relation,
+                                   hp=Hyperparameters(lr=0.01)), progress=False, log=lambda _: None)
+    assert accountant["epsilon"] == pytest.approx(2.0, rel=5e-3) and accountant["noise_multiplier"] < m["noise_multiplier"]
+    for bad in (["--noise-multiplier", "1"], ["--algorithm", "dp-memf"], ["--algorithm", "mezo"]):
+        with pytest.raises(SystemExit):
+            main(["train", "--calibration", "advanced-composition", "--epochs", "1", "--no-progress", *bad])
+        assert "does not apply to a given noise multiplier" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("method", ["dpzero", "dpgd-0th"])
 def test_synthetic_experiment_runs_the_library_step(method):
     """The vectorised synthetic experiment (closed-form differences, many runs at once) takes the same
