@@ -78,11 +78,14 @@ class PerExampleStatistic(Protocol):
 
     def sq_norms(self) -> torch.Tensor: ...  # [B, P]: squared norm of each example's part in each tensor
 
-    def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]: ...  # sum_i w_i g_i per tensor
+    def weighted_sum(self, weights: torch.Tensor, release: bool = False) -> list[torch.Tensor]: ...
+    # sum_i w_i g_i per tensor; release: the statistic may free its storage as it goes (used once)
 
 
-def clip_and_sum(grads: PerExampleStatistic, clipping: Clipping) -> tuple[list[torch.Tensor], ClipStats]:
-    """The clipped sum sum_i clip(g_i) per parameter, by one weighted contraction per captured term."""
+def clip_and_sum(grads: PerExampleStatistic, clipping: Clipping,
+                 release: bool = False) -> tuple[list[torch.Tensor], ClipStats]:
+    """The clipped sum sum_i clip(g_i) per parameter, by one weighted contraction per captured term;
+    ``release`` lets the statistic free its per-example storage while summing (the private step's use)."""
     w, finite = clipping.weights(grads.sq_norms(), grads.groups)
-    sums = grads.weighted_sum(w)
+    sums = grads.weighted_sum(w, release)
     return sums, ClipStats(grads.batch_size, int((~finite).sum()))

@@ -28,6 +28,23 @@ def test_hooks_agree_with_vmap(strategy):
     assert torch.allclose(hooks.losses, ref.losses)
 
 
+@pytest.mark.parametrize("strategy", ["auto", "materialize", "ghost"])
+def test_weighted_sum_with_release_is_the_same_sum_and_spends_the_gradients(strategy):
+    """release=True (the private step's use) frees each parameter's captures once summed: same sums, then
+    any further use of the object is refused instead of silently seeing no gradients."""
+    model, batch = Zoo(), zoo_batch()
+    engine = PerExampleEngine(model, zoo_loss, "hooks", strategy)
+    w = torch.rand(5)
+    kept = engine.gradients(batch).weighted_sum(w)
+    spent = engine.gradients(batch)
+    for a, b in zip(kept, spent.weighted_sum(w, release=True)):
+        assert torch.equal(a, b)
+    assert all(ts == [] for ts in spent.terms)
+    for use in (spent.sq_norms, spent.materialize, lambda: spent.weighted_sum(w), lambda: spent + spent):
+        with pytest.raises(RuntimeError, match="released"):
+            use()
+
+
 def test_vmap_agrees_with_one_example_at_a_time():
     model, batch = Zoo(), zoo_batch(3)
     per_example = PerExampleEngine(model, zoo_loss, "vmap").gradients(batch).materialize()

@@ -59,7 +59,7 @@ class Privatizer:
             sums = [torch.zeros(s, device=device) for s in shapes]
             stats = ClipStats(0, 0)
         else:
-            sums, stats = clip_and_sum(grads, self.clipping)
+            sums, stats = clip_and_sum(grads, self.clipping, release=True)  # the statistic is used once
         if self.parallel is None:
             noisy = self.noise(sums, step)
         else:

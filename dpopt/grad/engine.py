@@ -84,6 +84,7 @@ class PerExampleGradients:
                  terms: list[list[tuple[float, Capture]]], losses: torch.Tensor | None = None) -> None:
         self.engine, self.batch_size, self.terms, self.losses = engine, batch_size, terms, losses
         self.shapes = engine.shapes
+        self.released = False
 
     @property
     def groups(self) -> list[int]:
@@ -91,6 +92,8 @@ class PerExampleGradients:
 
     # --- linear combinations -------------------------------------------------------------------
     def _combine(self, other: "PerExampleGradients", a: float, b: float) -> "PerExampleGradients":
+        self._check_alive()
+        other._check_alive()
         if other.engine is not self.engine or other.batch_size != self.batch_size:
             raise ValueError("only per-example gradients of the same engine and batch can be combined")
         terms = [[(a * c, t) for c, t in mine] + [(b * c, t) for c, t in theirs]
@@ -116,6 +119,7 @@ class PerExampleGradients:
     # --- what the clip stage needs ---------------------------------------------------------------
     def sq_norms(self) -> torch.Tensor:
         """Squared per-example norms per parameter, [B, P] in float32 (cross terms included)."""
+        self._check_alive()
         cols = []
         for p, ts in zip(self.engine.params, self.terms):
             acc = torch.zeros(self.batch_size, device=p.device, dtype=torch.float32)
@@ -126,15 +130,20 @@ class PerExampleGradients:
             cols.append(acc)
         return torch.stack(cols, 1)
 
-    def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
+    def weighted_sum(self, weights: torch.Tensor, release: bool = False) -> list[torch.Tensor]:
         """sum_i w_i g_i per parameter; ``weights`` is [B] or [B, P]. Examples of weight 0 are left out
-        entirely, so a non-finite gradient given weight 0 contributes exactly zero."""
+        entirely, so a non-finite gradient given weight 0 contributes exactly zero. Parameters are summed
+        last to first; ``release`` drops each parameter's captures as soon as its sum exists (the object is
+        spent afterwards), so the sums of the first parameters — an embedding table's, say — are allocated
+        when the other captures are already gone and the step's peak memory stays near a plain backward's."""
+        self._check_alive()
         if weights.dim() == 1:
             weights = weights.unsqueeze(1).expand(-1, len(self.terms))
         keep = (weights != 0).any(1)
         rows = None if bool(keep.all()) else keep.nonzero().squeeze(1)
-        sums = []
-        for j, (p, shape, ts) in enumerate(zip(self.engine.params, self.shapes, self.terms)):
+        sums: list[torch.Tensor] = [torch.empty(0)] * len(self.terms)
+        for j in reversed(range(len(self.terms))):
+            p, shape, ts = self.engine.params[j], self.shapes[j], self.terms[j]
             dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
             w = weights[:, j] if rows is None else weights[rows, j]
             acc = None
@@ -143,11 +152,22 @@ class PerExampleGradients:
                 if c != 1.0:
                     part.mul_(c)
                 acc = part if acc is None else acc.add_(part)
-            sums.append(torch.zeros(shape, device=p.device, dtype=dtype) if acc is None else acc.view(shape))
+            if release:
+                self.terms[j] = []
+                del ts
+            sums[j] = torch.zeros(shape, device=p.device, dtype=dtype) if acc is None else acc.view(shape)
+        if release:
+            self.released = True
         return sums
+
+    def _check_alive(self) -> None:
+        if self.released:
+            raise RuntimeError("these per-example gradients were released by weighted_sum(release=True); "
+                               "compute them again")
 
     def materialize(self) -> list[torch.Tensor]:
         """Per-example gradients [B, *shape] per parameter (for tests and small models)."""
+        self._check_alive()
         out = []
         for p, shape, ts in zip(self.engine.params, self.shapes, self.terms):
             acc = torch.zeros(self.batch_size, *shape, device=p.device, dtype=p.dtype)

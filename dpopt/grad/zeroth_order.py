@@ -144,8 +144,9 @@ class PerExampleScalars:
     def sq_norms(self) -> torch.Tensor:
         return self.values.square().unsqueeze(1)
 
-    def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
-        """[Σ_i w_i s_i] as a 0-dim tensor; examples of weight 0 (non-finite s_i) contribute exactly zero."""
+    def weighted_sum(self, weights: torch.Tensor, release: bool = False) -> list[torch.Tensor]:
+        """[Σ_i w_i s_i] as a 0-dim tensor; examples of weight 0 (non-finite s_i) contribute exactly zero.
+        (Nothing to ``release``: B scalars.)"""
         w = weights.reshape(self.batch_size).to(self.values.dtype)
         return [torch.where(w != 0, w * self.values, torch.zeros_like(w)).sum()]
 
@@ -164,7 +165,8 @@ class DirectionalGradients:
     def sq_norms(self) -> torch.Tensor:
         return self.scalars.values.square().unsqueeze(1) * self.direction.sq_norms(self.step).unsqueeze(0)
 
-    def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
+    def weighted_sum(self, weights: torch.Tensor, release: bool = False) -> list[torch.Tensor]:
+        """(Σ_i w_ip s_i)·u_p per parameter (nothing to ``release``: u is regenerated, never held)."""
         if weights.dim() == 1:
             weights = weights.unsqueeze(1).expand(-1, len(self.direction.params))
         s = self.scalars.values.unsqueeze(1)
