@@ -23,7 +23,7 @@ import torch
 
 from dpopt.clipping import Clipping, ClipStats, PerExampleStatistic, clip_and_sum
 from dpopt.data.samplers import PoissonSampler, Sampler, take
-from dpopt.grad.engine import PerExampleEngine, PerExampleGradients, batch_size_of
+from dpopt.grad.engine import PerExampleEngine, batch_size_of
 from dpopt.noise.correlated import CorrelatedNoise
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.privacy.ledger import PoissonSampling, PrivacyLedger

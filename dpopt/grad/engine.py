@@ -24,7 +24,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from dpopt.grad.captures import Capture, Dense, Outer, check_version, inner
-from dpopt.grad.fallback import float_leaves, loss_gradients, module_gradients
+from dpopt.grad.fallback import loss_gradients, module_gradients
 from dpopt.grad.rules import TOKENWISE, Rule, rule_for
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
