@@ -1,11 +1,11 @@
 """DiSK vs its base on MNIST and Fashion-MNIST with the small Tanh CNN (the paper's Fig. 1a analogue).
 
 For each dataset, epsilon in {0.5, 1, 2, 4, 8} (delta 1e-5), base in {DP-SGD, DP-Adam} and seed: the base
-and DiSK (kappa 0.7, gamma 0.5; several values of ``--kappa``/``--gamma`` make an ablation over their grid) with
-the *same* base hyper-parameters (the paper tunes the base only, L744). ``--tune`` first picks each base's learning rate on a held-out split (the last 10,000 training
-images as validation, the base alone, one epsilon, a seed outside the grid) and writes tuning.json, which
-the grid then reads. Every finished run is appended to results.jsonl and skipped when the command is run
-again; ``--summarize`` writes table.md (mean ± std test accuracy) and accuracy_vs_epsilon.png.
+and DiSK (kappa 0.7, gamma 0.5; several values of ``--kappa``/``--gamma`` make an ablation over their grid)
+with the *same* base hyper-parameters (the paper tunes the base only, L744). ``--tune`` first picks each
+base's learning rate on a held-out split (the last 10,000 training images as validation, the base alone, one
+epsilon, a seed outside the grid) and writes tuning.json, which the grid then reads. Every finished run is
+appended to results.jsonl and skipped when the command is run again; ``--summarize`` writes table.md (mean ± std test accuracy) and accuracy_vs_epsilon.png.
 Paper claim (Fig. 1, L288-300): DiSK beats its base at every epsilon, with a larger gain at small epsilon.
 """
 
@@ -74,11 +74,13 @@ def tune(a: argparse.Namespace, out: Path) -> dict[str, dict[str, float]]:
     return best
 
 
-def hyperparameters(tuned: Path, dataset: str, base: str, kappa: float, gamma: float) -> Hyperparameters:
-    """The base's tuned learning rate (tuning.json), shared by the base and DiSK; kappa and gamma for DiSK."""
+def hyperparameters(tuned: Path, dataset: str, base: str, kappa: float | None,
+                    gamma: float | None) -> Hyperparameters:
+    """The base's tuned learning rate (tuning.json), shared by the base and DiSK; kappa and gamma for DiSK
+    (None for the base, which does not read them)."""
     lr = json.loads(tuned.read_text()).get(dataset, {}).get(base) if tuned.exists() else None
     hp = BASES[base] if lr is None else dataclasses.replace(BASES[base], lr=lr)
-    return dataclasses.replace(hp, kappa=kappa, gamma=gamma)
+    return hp if kappa is None else dataclasses.replace(hp, kappa=kappa, gamma=gamma)
 
 
 def variant(row: dict) -> tuple[float | None, float | None]:
@@ -93,27 +95,27 @@ def summarize(out: Path) -> str:
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     groups: dict[tuple, dict[int, float]] = {}
     for r in rows:
-        kappa, gamma = variant(r)
-        method = "base" if kappa is None else f"κ {kappa:g}, γ {gamma:g}"
-        groups.setdefault((r["dataset"], r["base"], r["epsilon"], method), {})[r["seed"]] = r["test_accuracy"]
-    lines = ["| dataset | base | epsilon | DiSK κ, γ | base accuracy (%) | DiSK accuracy (%) | gain (points) | DiSK ahead |",
+        groups.setdefault((r["dataset"], r["base"], r["epsilon"], variant(r)), {})[r["seed"]] = r["test_accuracy"]
+    lines = ["| dataset | base | epsilon | DiSK κ, γ | base accuracy (%) | DiSK accuracy (%) | gain (points) | "
+             "DiSK ahead |",
              "|---|---|---|---|---|---|---|---|"]
-    curves: dict[tuple, list[tuple[float, float, float]]] = {}
+    curves: dict[tuple, list[tuple[float, float, float]]] = {}  # (dataset, base, label) -> (eps, mean, std)
     sd = lambda v: statistics.stdev(v) if len(v) > 1 else 0.0  # noqa: E731
-    for (dataset, base, eps, method) in sorted(groups, key=lambda g: (g[:3], g[3] != "base", g[3])):
-        if method == "base" or (dataset, base, eps, "base") not in groups:
-            continue
-        by_seed_b, by_seed_k = groups[(dataset, base, eps, "base")], groups[(dataset, base, eps, method)]
+    base_key = (None, None)
+    disk_keys = sorted(k for k in groups if k[3] != base_key and k[:3] + (base_key,) in groups)
+    for dataset, base, eps, (kappa, gamma) in disk_keys:
+        by_seed_b, by_seed_k = groups[(dataset, base, eps, base_key)], groups[(dataset, base, eps, (kappa, gamma))]
         seeds = sorted(set(by_seed_b) & set(by_seed_k))
         b, k = [by_seed_b[s] for s in seeds], [by_seed_k[s] for s in seeds]
         ahead = sum(y > x for x, y in zip(b, k))
-        lines.append(f"| {dataset} | dp-{base} | {eps} | {method[2:].replace(', γ ', ', ')} | "
+        lines.append(f"| {dataset} | dp-{base} | {eps} | {kappa:g}, {gamma:g} | "
                      f"{100 * statistics.mean(b):.2f} ± {100 * sd(b):.2f} | "
                      f"{100 * statistics.mean(k):.2f} ± {100 * sd(k):.2f} | "
                      f"{100 * (statistics.mean(k) - statistics.mean(b)):+.2f} | {ahead}/{len(seeds)} |")
-        for m, v in (("base", b), (method, k)):
-            if (eps, statistics.mean(v), sd(v)) not in curves.get((dataset, base, m), []):
-                curves.setdefault((dataset, base, m), []).append((eps, statistics.mean(v), sd(v)))
+        base_curve = curves.setdefault((dataset, base, "base"), [])
+        if eps not in {q[0] for q in base_curve}:  # the base point once per epsilon, whatever the DiSK variants
+            base_curve.append((eps, statistics.mean(b), sd(b)))
+        curves.setdefault((dataset, base, f"κ {kappa:g}, γ {gamma:g}"), []).append((eps, statistics.mean(k), sd(k)))
     table = "\n".join(lines) + "\n"
     (out / "table.md").write_text(table)
     import matplotlib
@@ -185,8 +187,7 @@ def main(argv: list[str]) -> int:
                             if (dataset, base, eps, method, seed, kappa, gamma) in done:
                                 continue
                             algorithm = f"{'disk' if method == 'disk' else 'dp'}-{base}"
-                            hp = hyperparameters(tuned, dataset, base, *(a.kappa[0], a.gamma[0]) if kappa is None
-                                                 else (kappa, gamma))
+                            hp = hyperparameters(tuned, dataset, base, kappa, gamma)
                             config = TrainConfig(algorithm=algorithm, dataset=dataset, model="cnn", epsilon=eps,
                                                  delta=1e-5, epochs=a.epochs, batch_size=a.batch_size, clip=a.clip,
                                                  seed=seed, hp=hp)

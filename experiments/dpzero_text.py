@@ -35,6 +35,7 @@ from dpopt.data.samplers import take
 from dpopt.noise.rng import derive_seed
 from dpopt.train import TrainConfig, accuracy, build_run
 
+ZEROTH_ORDER = ("dpzero", "mezo")  # the rest (dp-grape, dp-adam) take the --grape-* settings
 PAPER = {"dpzero": {6.0: "92.2 ± 0.3", 2.0: "91.8 ± 0.1"}, "mezo": "92.5 ± 0.3", "zero-shot": "79.0"}  # SST-2
 
 
@@ -67,7 +68,7 @@ def finite_difference_scale(model: str, trainable: str | None, batch_size: int =
 
 def one_run(algorithm: str, epsilon: float | None, steps: int, args: argparse.Namespace,
             test: dict[str, torch.Tensor]) -> dict[str, Any]:
-    zeroth = algorithm in ("dpzero", "mezo")
+    zeroth = algorithm in ZEROTH_ORDER
     batch = args.batch_size
     per_epoch = round(1024 / batch)
     if steps % per_epoch:
@@ -132,8 +133,9 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     log = out / "text.jsonl"
     done = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    key = lambda r: (r["config"]["model"], r["algorithm"], r["epsilon"], r["steps"], r["config"]["batch_size"],  # noqa: E731
-                     r["config"]["hp"]["lr"], r["config"]["clip"], r["config"].get("trainable"))
+    key = lambda r: (r["config"]["model"], r["algorithm"], r["epsilon"], r["steps"],  # noqa: E731
+                     r["config"]["batch_size"], r["config"]["hp"]["lr"], r["config"]["clip"],
+                     r["config"].get("trainable"))
 
     if a.tune:
         print("|s_i| quantiles 50/90/99/100%: " + json.dumps(finite_difference_scale(a.model, a.trainable)),
@@ -158,11 +160,11 @@ def main(argv: list[str]) -> int:
     (out / "text_baselines.json").write_text(json.dumps(baselines, indent=2))
     plan = []
     for algorithm in a.algorithms:
-        steps = a.steps if algorithm in ("dpzero", "mezo") else a.grape_steps
+        steps = a.steps if algorithm in ZEROTH_ORDER else a.grape_steps
         for eps in ([None] if algorithm == "mezo" else a.epsilons):
             plan.append((algorithm, eps, steps))
     for algorithm, eps, steps in plan:
-        zeroth = algorithm in ("dpzero", "mezo")
+        zeroth = algorithm in ZEROTH_ORDER
         wanted = (a.model, algorithm, eps, steps, a.batch_size, a.lr if zeroth else a.grape_lr,
                   a.clip if zeroth else a.grape_clip, a.trainable)
         if any(key(r) == wanted for r in done):

@@ -6,8 +6,8 @@ Models (the paper's, layer order of the CNN unstated): MLP 784 -> 256 (Tanh) -> 
 (the paper's code base), mini-batches of 32 per client and round, global clipping. For each ratio and method
 a grid over (gamma, tau) (and beta-hat and beta for Clip21-SGD2M; beta = 0.1 by default) is searched on the MLP
 with one seed and the setting with the lowest final training loss is kept (no test-set selection); the CNN
-reuses the MLP's selection (a CPU budget) unless ``--search-per-model``. Reported: training loss (10k fixed training examples) and test accuracy at the
-end, and each client's (epsilon, delta = 1e-5) from its ledger.
+reuses the MLP's selection (a CPU budget) unless ``--search-per-model``. Reported: training loss (10k fixed
+training examples) and test accuracy at the end, and each client's (epsilon, delta = 1e-5) from its ledger.
 Paper claims (L263, L2101; they conflict): Clip-SGD and Clip21-SGD2M beat Clip21-SGD at every ratio; which
 of Clip-SGD and Clip21-SGD2M is better depends on the ratio.
 """
