@@ -5,7 +5,8 @@ and DiSK (kappa 0.7, gamma 0.5; several values of ``--kappa``/``--gamma`` make a
 with the *same* base hyper-parameters (the paper tunes the base only, L744). ``--tune`` first picks each
 base's learning rate on a held-out split (the last 10,000 training images as validation, the base alone, one
 epsilon, a seed outside the grid) and writes tuning.json, which the grid then reads. Every finished run is
-appended to results.jsonl and skipped when the command is run again; ``--summarize`` writes table.md (mean ± std test accuracy) and accuracy_vs_epsilon.png.
+appended to results.jsonl and skipped when the command is run again; ``--summarize`` writes table.md (mean ±
+std test accuracy) and accuracy_vs_epsilon.png.
 Paper claim (Fig. 1, L288-300): DiSK beats its base at every epsilon, with a larger gain at small epsilon.
 """
 
