@@ -10,7 +10,12 @@ own process, timed and measured side by side.
   what the step needs, independent of allocator caching and of the libraries a system imports;
 * ``rss_mb``: the process's peak resident set size over the timed steps (Linux VmHWM), for reference.
 * with ``--interleave``, ``interleaved_cpu_s``: median CPU seconds per step with every system that ran built
-  in one more process and stepped in turn, so that other processes' load falls on all of them alike.
+  in one more process and stepped in turn, so that other processes' load falls on all of them alike;
+* ``faults_per_step``: minor page faults per timed step. Under glibc's default heap heuristics a process
+  often returns the memory a step freed to the OS and faults it back in the next step (about 3,000 faults,
+  4 ms of system time per step for the CNN at batch 256), or not, by luck of its allocation history: the
+  same system then runs in two speeds. ``--steady-heap`` runs every system (all alike) with a heap that keeps
+  what it freed (``STEADY_HEAP``), which leaves the compute alone to compare.
 
 Systems: ``pytorch`` (non-private), ``dpopt`` (DP, ghost norms and book-keeping sums where cheaper),
 ``dpopt-materialize`` (DP, every Linear/Conv per-example gradient materialised; embedding rows stay sparse),
@@ -32,7 +37,9 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -49,6 +56,8 @@ SYSTEMS = ("pytorch", "dpopt", "dpopt-materialize", "opacus-hooks", "opacus-ghos
            "galore", "dpzero")
 DEFAULT_SYSTEMS = ("pytorch", "dpopt", "opacus-hooks", "opacus-ghost")
 WORKLOADS = ("cnn", "bert", "minilm")
+# glibc: no trimming of the heap's top, and allocations up to 32 MiB (glibc's cap) from the heap, not mmap.
+STEADY_HEAP = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(1 << 25)}
 
 
 @dataclass(frozen=True)
@@ -213,14 +222,16 @@ def worker(system: str, case: Case, warmup: int, steps: int) -> dict[str, float]
         step()
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS
     times, cpu = [], []
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(steps):
         start, start_cpu = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps
     rss = _rss_mb("VmHWM")
     return {"s_per_step": statistics.median(times), "cpu_s_per_step": statistics.median(cpu),
-            "peak_mb": peak_tensor_mb(step), "rss_mb": rss}
+            "peak_mb": peak_tensor_mb(step), "rss_mb": rss, "faults_per_step": faults}
 
 
 def cpu_medians_in_turn(calls: dict[str, Callable[[], object]], rounds: int, warmup: int = 0) -> dict[str, float]:
@@ -245,13 +256,15 @@ def interleaved_worker(systems: tuple[str, ...], case: Case, warmup: int, steps:
     return cpu_medians_in_turn({s: _step_fn(s, case, *_workload(case, s)) for s in systems}, steps, warmup)
 
 
-def measure(system: str, case: Case, warmup: int = 3, steps: int = 10, timeout: float = 3600) -> dict[str, Any]:
-    """Run ``worker`` in a fresh process (``system`` "a+b+...": ``interleaved_worker``); a failure becomes
-    {"error": ...}."""
+def measure(system: str, case: Case, warmup: int = 3, steps: int = 10, timeout: float = 3600,
+            steady_heap: bool = False) -> dict[str, Any]:
+    """Run ``worker`` in a fresh process (``system`` "a+b+...": ``interleaved_worker``), with ``STEADY_HEAP`` if
+    ``steady_heap``; a failure becomes {"error": ...}."""
     cmd = [sys.executable, "-m", "dpopt.bench", "--worker", system, "--case", json.dumps(dataclasses.asdict(case)),
            "--warmup", str(warmup), "--steps", str(steps)]
+    env = {**os.environ, **STEADY_HEAP} if steady_heap else None
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     if done.returncode != 0:
@@ -260,21 +273,22 @@ def measure(system: str, case: Case, warmup: int = 3, steps: int = 10, timeout: 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def compare(case: Case, systems: tuple[str, ...] = DEFAULT_SYSTEMS, warmup: int = 3,
-            steps: int = 10, repeats: int = 1, interleave: bool = False) -> dict[str, dict[str, Any]]:
+def compare(case: Case, systems: tuple[str, ...] = DEFAULT_SYSTEMS, warmup: int = 3, steps: int = 10,
+            repeats: int = 1, interleave: bool = False, steady_heap: bool = False) -> dict[str, dict[str, Any]]:
     """All systems on one case, with ratios to non-private PyTorch. With ``repeats`` > 1 the systems run in
     turn that many times (a fresh process each) and each keeps its fastest run, so a burst of load from
     another process slows one sample rather than one system. ``interleave`` adds ``interleaved_cpu_s``: the
-    systems that ran, stepped in turn in one more process (``interleaved_worker``)."""
+    systems that ran, stepped in turn in one more process (``interleaved_worker``). ``steady_heap``: see
+    ``measure``."""
     results: dict[str, dict[str, Any]] = {}
     for _ in range(repeats):
         for s in systems:
-            r = measure(s, case, warmup, steps)
+            r = measure(s, case, warmup, steps, steady_heap=steady_heap)
             if s not in results or "error" in results[s] or r.get("s_per_step", float("inf")) < results[s]["s_per_step"]:
                 results[s] = r
     ran = tuple(s for s, r in results.items() if "error" not in r)
     if interleave and "pytorch" in ran:
-        together = measure("+".join(ran), case, warmup, steps)
+        together = measure("+".join(ran), case, warmup, steps, steady_heap=steady_heap)
         for s in ran:
             results[s]["interleaved_cpu_s"] = together.get(s)
     base = results.get("pytorch", {})
@@ -290,16 +304,17 @@ def compare(case: Case, systems: tuple[str, ...] = DEFAULT_SYSTEMS, warmup: int 
 
 def markdown(rows: list[tuple[str, dict[str, dict[str, Any]]]]) -> str:
     lines = ["| workload | system | s/step | time / PyTorch | CPU s/step | CPU time / PyTorch | CPU time / PyTorch, "
-             "interleaved | peak tensor MB | memory / PyTorch | peak RSS MB |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "interleaved | peak tensor MB | memory / PyTorch | peak RSS MB | page faults / step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, results in rows:
         for system, r in results.items():
             if "error" in r:
-                lines.append(f"| {label} | {system} | error: {r['error'][:80]} | | | | | | | |")
+                lines.append(f"| {label} | {system} | error: {r['error'][:80]} | | | | | | | | |")
                 continue
             ratio = lambda k: f"{r[k]:.2f}" if r.get(k) is not None else "—"  # noqa: E731
             lines.append(f"| {label} | {system} | {r['s_per_step']:.3f} | {ratio('time_ratio')} | "
                          f"{r['cpu_s_per_step']:.3f} | {ratio('cpu_ratio')} | {ratio('interleaved_ratio')} | "
-                         f"{r['peak_mb']:.1f} | {ratio('peak_ratio')} | {r['rss_mb']:.0f} |")
+                         f"{r['peak_mb']:.1f} | {ratio('peak_ratio')} | {r['rss_mb']:.0f} | {r['faults_per_step']:.0f} |")
     return "\n".join(lines)
 
 
@@ -321,6 +336,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1, help="run the systems in turn this many times; keep each one's fastest")
     p.add_argument("--interleave", action="store_true",
                    help="also time the systems stepped in turn in one process (CPU time; for shared machines)")
+    p.add_argument("--steady-heap", action="store_true",
+                   help="run every system with a glibc heap that keeps freed memory (few page faults from step to step)")
     p.add_argument("--suite", action="store_true", help="the issue's table: cnn 256/1024, bert 32/64 (seq 64)")
     p.add_argument("--scaling", action="store_true", help="pytorch vs dpopt over batch size and sequence length")
     p.add_argument("--json", action="store_true", help="print one JSON object (single workload)")
@@ -338,7 +355,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give --workload and --batch, or --suite, or --scaling")
     rows = []
     for case in cases:
-        rows.append((case.label, compare(case, systems, args.warmup, args.steps, args.repeats, args.interleave)))
+        rows.append((case.label, compare(case, systems, args.warmup, args.steps, args.repeats, args.interleave,
+                                         args.steady_heap)))
         if not args.json:
             print(markdown(rows[-1:]).split("\n", 2)[-1] if len(rows) > 1 else markdown(rows[-1:]), flush=True)
     if args.json:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -81,11 +81,24 @@ class PerExampleStatistic(Protocol):
     def weighted_sum(self, weights: torch.Tensor, release: bool = False) -> list[torch.Tensor]: ...
     # sum_i w_i g_i per tensor; release: the statistic may free its storage as it goes (used once)
 
+    def clipped_sum(self, weigh: Callable[[torch.Tensor], torch.Tensor], release: bool = False) -> list[torch.Tensor]:
+        """sum_i w_i g_i with w = ``weigh``(squared norms of a set of rows) [n, P], called once for every
+        example. This default weighs the whole batch at once; a statistic that forms per-example vectors a
+        chunk of examples at a time may weigh each chunk as it is formed, to sum the same vectors."""
+        return self.weighted_sum(weigh(self.sq_norms()), release)
+
 
 def clip_and_sum(grads: PerExampleStatistic, clipping: Clipping,
                  release: bool = False) -> tuple[list[torch.Tensor], ClipStats]:
-    """The clipped sum sum_i clip(g_i) per parameter, by one weighted contraction per captured term;
+    """The clipped sum sum_i clip(g_i) per parameter (``clipped_sum``, weights from ``Clipping.weights``);
     ``release`` lets the statistic free its per-example storage while summing (the private step's use)."""
-    w, finite = clipping.weights(grads.sq_norms(), grads.groups)
-    sums = grads.weighted_sum(w, release)
-    return sums, ClipStats(grads.batch_size, int((~finite).sum()))
+    nonfinite = 0
+
+    def weigh(sq_norms: torch.Tensor) -> torch.Tensor:
+        nonlocal nonfinite
+        w, finite = clipping.weights(sq_norms, grads.groups)
+        nonfinite += int((~finite).sum())
+        return w
+
+    sums = grads.clipped_sum(weigh, release)
+    return sums, ClipStats(grads.batch_size, nonfinite)

@@ -3,11 +3,13 @@ convolutions cost alone, against the whole non-private step.
 
 CPU milliseconds at one thread (``time.process_time``; each measurement warmed up, then the median of
 ``--rounds`` calls in a row, so that every one runs with warm caches, as inside a step): the non-private
-PyTorch step and dpopt's DP-SGD step (``dpopt.bench``'s steps),
-and, on the activations and output gradients of one real backward pass, the squared per-example norms of
-each convolution's weight gradient by dpopt's route (``captures.inner``: one grouped convolution per chunk
-of examples, Rochette et al., 2019) and by the ghost route (Gram matrices of the unfolded patches and of the
-output gradients, Li et al., 2022; the route ``ConvOuter.ghost_cost`` rules out).
+PyTorch step and dpopt's DP-SGD step (``dpopt.bench``'s steps), and, on the activations and output gradients
+of one real backward pass, the squared per-example norms of each convolution's weight gradient by dpopt's
+route (``captures.inner``: per chunk of examples, one copy of the patches, channels-last or by stride phase,
+and one batched product with the output gradient), by one grouped convolution per chunk of 64 examples with
+the batch folded into the groups (Rochette et al., 2019; dpopt's route until 2026-11-23), and by the ghost
+route (Gram matrices of the unfolded patches and of the output gradients, Li et al., 2022; the route
+``ConvOuter.ghost_cost`` rules out).
 
 Writes ``norm_cost.json`` and ``norm_cost.md`` under ``--out``.
 """
@@ -15,9 +17,7 @@ Writes ``norm_cost.json`` and ``norm_cost.md`` under ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import warnings
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -26,6 +26,7 @@ from torch import nn
 from dpopt import bench
 from dpopt.data.samplers import take
 from dpopt.grad.captures import ConvOuter, inner
+from experiments._report import write_table
 
 
 def _conv_captures(case: bench.Case) -> list[ConvOuter]:
@@ -54,15 +55,30 @@ def ghost_norms(c: ConvOuter) -> torch.Tensor:
     return torch.cat(out)
 
 
+def grouped_norms(c: ConvOuter) -> torch.Tensor:
+    """The per-example gradients by one grouped convolution (batch folded into the groups) per 64 examples."""
+    out = []
+    for start in range(0, c.batch_size, 64):
+        x, g = c.x[start:start + 64], c.g[start:start + 64]
+        n, c_in, c_out = x.shape[0], x.shape[1], g.shape[1]
+        grads = torch.nn.grad.conv2d_weight(x.reshape(1, n * c_in, *x.shape[2:]), (n * c_out, c_in, *c.kernel),
+                                            g.reshape(1, n * c_out, *g.shape[2:]), stride=c.stride,
+                                            padding=c.padding, dilation=c.dilation, groups=n)
+        out.append(grads.reshape(n, -1).square().sum(1))
+    return torch.cat(out)
+
+
 def measure(batch: int, rounds: int) -> dict[str, float]:
     case = bench.Case("cnn", batch, threads=1)
     steps = {s: bench._step_fn(s, case, *bench._workload(case, s)) for s in ("pytorch", "dpopt")}
     convs = _conv_captures(case)
     for c in convs:
-        assert torch.allclose(inner(c, c), ghost_norms(c), rtol=1e-3), "the two norm routes disagree"
+        for route in (ghost_norms, grouped_norms):
+            assert torch.allclose(inner(c, c), route(c), rtol=1e-3), f"{route.__name__} disagrees with dpopt's"
     jobs: dict[str, Callable[[], object]] = {f"{s} step": f for s, f in steps.items()}
     for i, c in enumerate(convs, 1):
-        jobs[f"conv{i} norms, dpopt (grouped conv)"] = lambda c=c: inner(c, c)
+        jobs[f"conv{i} norms, dpopt (patches + batched product)"] = lambda c=c: inner(c, c)
+        jobs[f"conv{i} norms, grouped convolution"] = lambda c=c: grouped_norms(c)
         jobs[f"conv{i} norms, ghost (Gram)"] = lambda c=c: ghost_norms(c)
     return {k: 1e3 * bench.cpu_medians_in_turn({k: f}, rounds, warmup=3)[k] for k, f in jobs.items()}
 
@@ -79,11 +95,7 @@ def main(argv: list[str]) -> int:
     for b, r in results.items():
         base = r["pytorch step"]
         lines += [f"| {b} | {k} | {v:.2f} | {v / base:.3f} |" for k, v in r.items()]
-        own = sum(v for k, v in r.items() if "dpopt (grouped" in k)
+        own = sum(v for k, v in r.items() if "norms, dpopt" in k)
         lines.append(f"| {b} | both convolutions' norms, dpopt's route | {own:.2f} | {own / base:.3f} |")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "norm_cost.json").write_text(json.dumps(results, indent=2))
-    (out / "norm_cost.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_table(args.out, "norm_cost", results, lines)
     return 0

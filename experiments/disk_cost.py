@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +30,7 @@ from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.rng import SecretStream
 from dpopt.privacy import PrivacyLedger
 from dpopt.transforms import KalmanFilter
+from experiments._report import write_table
 
 KAPPA = 0.7
 SYSTEMS = {"base": ("dp", {}), "disk": ("disk", {"kappa": KAPPA, "gamma": 0.5}),
@@ -107,10 +106,5 @@ def main(argv: list[str]) -> int:
             lines.append(f"| {case} | {s} | {r['cpu_s_per_step']:.3f} | {r['time_ratio']:.2f} | {r['peak_tensor_mb']:.1f} "
                          f"| {r['peak_ratio']:.2f} | {r['params_mb']:.1f} | {r['base_state_mb']:.1f} | "
                          f"{r['disk_state_mb']:.1f} |")
-    table = "\n".join(lines) + "\n"
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cost.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / "cost.md").write_text(table)
-    print(table)
+    write_table(a.out, "cost", results, lines)
     return 0

@@ -28,7 +28,7 @@ class Zoo(nn.Module):
         super().__init__()
         self.emb = nn.Embedding(20, 8, padding_idx=0)
         self.conv1d = nn.Conv1d(8, 8, 3, padding=1)
-        self.conv2d = nn.Conv2d(1, 4, 3, stride=2, padding=1, padding_mode="reflect")
+        self.conv2d = nn.Conv2d(1, 4, 4, stride=2, padding=2, padding_mode="reflect")  # patches by phase
         self.dilated = nn.Conv2d(4, 4, 3, dilation=2, padding=2, bias=False)
         self.grouped = nn.Conv2d(4, 4, 3, groups=2)
         self.gn = nn.GroupNorm(2, 4)

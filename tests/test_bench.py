@@ -31,3 +31,11 @@ def test_dpzero_step_holds_less_than_a_backward_step():
     case = bench.Case("cnn", 32, threads=1)
     peaks = {s: bench.worker(s, case, warmup=1, steps=1)["peak_mb"] for s in ("pytorch", "dpzero")}
     assert peaks["dpzero"] < peaks["pytorch"]
+
+
+def test_steady_heap_reaches_the_worker_and_stops_page_faults_between_steps():
+    """With ``steady_heap`` the worker's heap keeps the memory a step freed: after warm-up a step faults in few
+    pages (0-450 in 12 runs). Under glibc's default heap this step usually faults in 1,400-2,700 (its transient
+    tensors, returned to the OS at the end of the step before)."""
+    steady = bench.measure("pytorch", bench.Case("cnn", 256, threads=1), warmup=2, steps=3, steady_heap=True)
+    assert steady["faults_per_step"] < 1000

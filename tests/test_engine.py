@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpopt.grad import ExampleMixingError, PerExampleEngine, check_per_example
+from dpopt.clipping import Clipping
+from dpopt.grad import ExampleMixingError, PerExampleEngine, captures, check_per_example
 from dpopt.models import freeze_batchnorm, replace_batchnorm
 from helpers import Zoo, mlp_loss, zoo_batch, zoo_loss
 
@@ -43,6 +44,91 @@ def test_weighted_sum_with_release_is_the_same_sum_and_spends_the_gradients(stra
     for use in (spent.sq_norms, spent.materialize, lambda: spent.weighted_sum(w), lambda: spent + spent):
         with pytest.raises(RuntimeError, match="released"):
             use()
+
+
+@pytest.mark.parametrize("mode", ["flat", "per-layer", "automatic"])
+def test_clipped_sum_weighs_chunks_of_examples_to_the_two_pass_sum(mode, monkeypatch):
+    """The clip stage's one pass (convolution gradients materialised a chunk of examples at a time, weighed
+    and summed at once) gives the sums of the two-pass route (all norms, then one weighted sum), for one
+    point and for a two-point combination."""
+    monkeypatch.setattr(captures, "CHUNK_ELEMENTS", 200)  # one example per chunk
+    model, batch = Zoo(), zoo_batch(7)
+    engine = PerExampleEngine(model, zoo_loss)
+    clipping = Clipping(1e-2, mode)
+    shifted = [p.detach() + 0.1 * torch.randn_like(p) for p in engine.params]
+    for make in (lambda: engine.gradients(batch),
+                 lambda: 0.7 * engine.gradients(batch, at=shifted) + 0.3 * engine.gradients(batch)):
+        two_pass = make()
+        expected = two_pass.weighted_sum(clipping.weights(two_pass.sq_norms(), engine.groups)[0])
+        rows = []
+
+        def weigh(sq_norms):
+            rows.append(sq_norms.shape[0])
+            return clipping.weights(sq_norms, engine.groups)[0]
+
+        spent = make()
+        got = spent.clipped_sum(weigh, release=True)
+        assert rows == [1] * 7
+        assert all(ts == [] for ts in spent.terms)
+        with pytest.raises(RuntimeError, match="released by weighted_sum or clipped_sum"):
+            spent.sq_norms()
+        for name, a, b in zip(engine.names, got, expected):
+            assert a.shape == b.shape and rel(a, b) <= 1e-5, name
+
+
+@pytest.mark.parametrize("cin, kernel, stride, padding, dilation, groups, hw, by_phase", [
+    (1, (8, 8), (2, 2), (3, 3), (1, 1), 1, (28, 28), True),  # the Tanh CNN's first layer
+    (1, (6, 4), (3, 2), (1, 2), (1, 1), 1, (17, 18), True),  # odd padded sizes: padded to whole phases
+    (3, (3, 3), (1, 1), (1, 1), (1, 1), 1, (12, 13), True),
+    (2, (2, 2), (2, 2), (0, 1), (1, 1), 2, (9, 20), True),
+    (2, (1, 4), (1, 2), (0, 1), (1, 1), 1, (1, 30), True),  # a Conv1d, as the rule sees it
+    (16, (4, 4), (2, 2), (0, 0), (1, 1), 1, (13, 13), False),  # the second layer: channels-last
+    (1, (3, 3), (2, 2), (1, 1), (1, 1), 1, (16, 16), False),  # the stride does not divide the kernel
+    (2, (3, 3), (1, 1), (2, 2), (2, 2), 1, (9, 9), False),
+])
+def test_conv_gradients_in_either_patch_layout(cin, kernel, stride, padding, dilation, groups, hw, by_phase):
+    """Materialised convolution gradients, from patches copied by phase or channels-last, are each
+    example's weight gradient, and a weighted sum in ``flat``'s order maps back with ``unflat``."""
+    x = torch.randn(3, cin, *hw)
+    conv = nn.Conv2d(cin, 4, kernel, stride, padding, dilation, groups)
+    g = torch.randn_like(conv(x))
+    cap = captures.ConvOuter(x, g, kernel, stride, dilation, padding, groups, conv.weight.shape)
+    assert cap.by_phase == by_phase
+    each = torch.stack([torch.nn.grad.conv2d_weight(x[i:i + 1], conv.weight.shape, g[i:i + 1], stride, padding,
+                                                    dilation, groups) for i in range(3)])
+    assert rel(cap.materialize(), each) <= 1e-5
+    w = torch.rand(3)
+    assert rel(cap.unflat(torch.tensordot(w, cap.flat(), dims=1)), torch.tensordot(w, each, dims=1)) <= 1e-5
+
+
+class _ConvTwice(nn.Module):
+    """One convolution on two image sizes: wide rows take the phase layout, narrow ones channels-last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(4, 4, 2, stride=2), nn.Linear(8, 3)
+
+    def forward(self, images):
+        return self.head(torch.cat([self.conv(x).mean((2, 3)) for x in images], 1))
+
+
+@pytest.mark.parametrize("mode", ["flat", "per-layer"])
+def test_one_convolution_in_both_patch_layouts_sums_in_one_order(mode):
+    """A parameter whose captures flatten in different element orders is combined in its own shape: norms
+    and clipped sums match torch.func (they were wrong when the two layouts' flat gradients were added)."""
+    def loss(m, b):
+        return F.cross_entropy(m(b[:2]), b[2], reduction="none")
+
+    model, batch = _ConvTwice(), (torch.randn(5, 4, 32, 32), torch.randn(5, 4, 6, 6), torch.randint(0, 3, (5,)))
+    hooks = PerExampleEngine(model, loss, "hooks", "ghost").gradients(batch)
+    assert sorted(t.by_phase for _, t in hooks.terms[0]) == [False, True]
+    ref = PerExampleEngine(model, loss, "vmap").gradients(batch)
+    assert rel(hooks.sq_norms(), ref.sq_norms()) <= 1e-5
+    clipping = Clipping(1e-2, mode)
+    got = hooks.clipped_sum(lambda sq: clipping.weights(sq, hooks.groups)[0])
+    expected = ref.weighted_sum(clipping.weights(ref.sq_norms(), ref.groups)[0])
+    for name, a, b in zip(hooks.engine.names, got, expected):
+        assert rel(a, b) <= 1e-5, name
 
 
 def test_vmap_agrees_with_one_example_at_a_time():

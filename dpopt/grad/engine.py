@@ -16,14 +16,15 @@ runs the whole model through ``torch.func`` instead: the reference the hook path
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Iterable, Sequence
 
 import torch
 from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from dpopt.grad.captures import Capture, Dense, Outer, check_version, inner
+from dpopt.clipping import PerExampleStatistic
+from dpopt.grad.captures import Capture, Dense, Outer, by_materializing, check_version, chunks, inner, inner_dense
 from dpopt.grad.fallback import loss_gradients, module_gradients
 from dpopt.grad.rules import TOKENWISE, Rule, rule_for
 
@@ -77,7 +78,7 @@ def _check_example_major(unit: _Unit, x: torch.Tensor, b: int) -> None:
                          "dimension 0 of every layer's input")
 
 
-class PerExampleGradients:
+class PerExampleGradients(PerExampleStatistic):
     """Per-example gradients of a batch, as a linear combination of captured terms per parameter."""
 
     def __init__(self, engine: "PerExampleEngine", batch_size: int,
@@ -117,16 +118,17 @@ class PerExampleGradients:
         return self * -1.0
 
     # --- what the clip stage needs ---------------------------------------------------------------
-    def sq_norms(self) -> torch.Tensor:
-        """Squared per-example norms per parameter, [B, P] in float32 (cross terms included)."""
+    def sq_norms(self, skip: Collection[int] = ()) -> torch.Tensor:
+        """Squared per-example norms per parameter, [B, P] in float32 (cross terms included); the columns
+        of the parameters in ``skip`` are left zero."""
         self._check_alive()
         cols = []
-        for p, ts in zip(self.engine.params, self.terms):
+        for j, (p, ts) in enumerate(zip(self.engine.params, self.terms)):
             acc = torch.zeros(self.batch_size, device=p.device, dtype=torch.float32)
-            for j, (cj, tj) in enumerate(ts):
-                acc = acc + cj * cj * inner(tj, tj)
-                for ck, tk in ts[j + 1:]:
-                    acc = acc + 2.0 * cj * ck * inner(tj, tk)
+            for k, (ck, tk) in enumerate(ts if j not in skip else []):
+                acc = acc + ck * ck * inner(tk, tk)
+                for cl, tl in ts[k + 1:]:
+                    acc = acc + 2.0 * ck * cl * inner(tk, tl)
             cols.append(acc)
         return torch.stack(cols, 1)
 
@@ -139,12 +141,71 @@ class PerExampleGradients:
         self._check_alive()
         if weights.dim() == 1:
             weights = weights.unsqueeze(1).expand(-1, len(self.terms))
+        sums = self._sums(weights, range(len(self.terms)), release)
+        if release:
+            self.released = True
+        return sums
+
+    def clipped_sum(self, weigh: Callable[[torch.Tensor], torch.Tensor], release: bool = False) -> list[torch.Tensor]:
+        """sum_i w_i g_i per parameter with weights w = ``weigh``(squared norms) [n, P], computed for rows of
+        examples (the clip stage). The parameters whose norms need materialised per-example gradients
+        (convolutions) are materialised once, a chunk of examples at a time: the chunk's norms complete its
+        rows, ``weigh`` turns them into its weights, and the same gradients are summed with them at once, so
+        they are never formed a second time for the sum."""
+        self._check_alive()
+        direct = [j for j, ts in enumerate(self.terms)
+                  if ts and all(by_materializing(t) for _, t in ts) and len({t.flat_order for _, t in ts}) == 1]
+        sq = self.sq_norms(skip=direct)
+        if not direct:
+            return self.weighted_sum(weigh(sq), release)
+        sums: dict[int, torch.Tensor | None] = {j: None for j in direct}
+        unflat = {j: self.terms[j][0][1].unflat for j in direct}
+        weights = []
+        for s in chunks(self.batch_size, 2 * sum(self.shapes[j].numel() for j in direct)):
+            grads = {j: self._flat(j, s) for j in direct}
+            for j, g in grads.items():
+                sq[s, j] = inner_dense(g, g)
+            w = weigh(sq[s])
+            weights.append(w)
+            for j, g in grads.items():
+                wj = w[:, j]
+                keep = wj != 0
+                if not bool(keep.all()):  # a non-finite example contributes exactly zero
+                    g, wj = g[keep], wj[keep]
+                part = torch.tensordot(wj.to(g.dtype), g, dims=1).to(self._sum_dtype(j))
+                sums[j] = part if sums[j] is None else sums[j].add_(part)
+        if release:
+            for j in direct:
+                self.terms[j] = []
+        out = self._sums(torch.cat(weights), [j for j in range(len(self.terms)) if j not in sums], release)
+        for j, total in sums.items():
+            out[j] = unflat[j](total)
+        if release:
+            self.released = True
+        return out
+
+    def _flat(self, j: int, s: slice) -> torch.Tensor:
+        """Per-example gradients of parameter ``j`` for the examples in ``s``, [n, numel] in its captures'
+        own order (they share one ``flat_order``)."""
+        (c, t), *more = self.terms[j]
+        g = t.flat(s)
+        g = g * c if c != 1.0 or more else g
+        for c, t in more:
+            g.add_(t.flat(s), alpha=c)
+        return g
+
+    def _sum_dtype(self, j: int) -> torch.dtype:
+        dtype = self.engine.params[j].dtype
+        return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+    def _sums(self, weights: torch.Tensor, params: Iterable[int], release: bool) -> list[torch.Tensor]:
+        """``weighted_sum`` for the parameters in ``params`` (last to first); the others' entries are empty."""
         keep = (weights != 0).any(1)
         rows = None if bool(keep.all()) else keep.nonzero().squeeze(1)
         sums: list[torch.Tensor] = [torch.empty(0)] * len(self.terms)
-        for j in reversed(range(len(self.terms))):
+        for j in sorted(params, reverse=True):
             p, shape, ts = self.engine.params[j], self.shapes[j], self.terms[j]
-            dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
+            dtype = self._sum_dtype(j)
             w = weights[:, j] if rows is None else weights[rows, j]
             acc = None
             for c, t in ts if rows is None or rows.numel() else []:
@@ -156,14 +217,12 @@ class PerExampleGradients:
                 self.terms[j] = []
                 del ts
             sums[j] = torch.zeros(shape, device=p.device, dtype=dtype) if acc is None else acc.view(shape)
-        if release:
-            self.released = True
         return sums
 
     def _check_alive(self) -> None:
         if self.released:
-            raise RuntimeError("these per-example gradients were released by weighted_sum(release=True); "
-                               "compute them again")
+            raise RuntimeError("these per-example gradients were released by weighted_sum or clipped_sum "
+                               "(release=True); compute them again")
 
     def materialize(self) -> list[torch.Tensor]:
         """Per-example gradients [B, *shape] per parameter (for tests and small models)."""

@@ -28,6 +28,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from dpopt.clipping import PerExampleStatistic
 from dpopt.grad.engine import PerExampleEngine, batch_size_of
 from dpopt.noise.rng import public_generator
 from dpopt.transforms.base import Transform
@@ -130,7 +131,7 @@ class Direction(Transform):
         self.step = int(state["step"])
 
 
-class PerExampleScalars:
+class PerExampleScalars(PerExampleStatistic):
     """One scalar per example, in the form the clip stage takes: a one-element vector whose norm is |s_i|,
     so flat clipping to C is clamp(s_i, −C, C) and the noise stage adds one scalar N(0, σ²C²)."""
 
@@ -154,7 +155,7 @@ class PerExampleScalars:
         return [self.values]
 
 
-class DirectionalGradients:
+class DirectionalGradients(PerExampleStatistic):
     """DPGD-0th's per-example vectors g_i = s_i·u_t (Alg. 1 line 5), never materialised: ‖g_i‖ restricted to
     parameter p is |s_i|·‖u_p‖, and Σ_i w_ip g_i is (Σ_i w_ip s_i)·u_p, regenerated from the seed."""
 
