@@ -22,7 +22,8 @@ Systems: ``pytorch`` (non-private), ``dpopt`` (DP, ghost norms and book-keeping 
 ``opacus-hooks`` (every per-example gradient materialised) and ``opacus-ghost``, ``dp-grape`` (projected
 per-example gradients of rank ``--rank``, projected Adam), ``dp-galore`` (naive DP-GaLore) and ``galore``
 (non-private GaLore); the last three use their own projected Adam whatever ``--optimizer`` says; ``dpzero``
-(DPZero: two forward passes, no backward, no optimizer state).
+(DPZero: two forward passes, no backward, no optimizer state); ``disk-sgd`` (DiSK's two-point statistic,
+kappa 0.7, gamma 0.5) and ``dp-srg-memf`` (the SRG difference g(x_t) - g(x_t-1); iid noise here).
 
 Workloads: ``cnn`` — the 28x28 Tanh CNN (dpopt.models.cnn) on random images; ``bert`` — a BERT-shaped
 Hugging Face model (6 layers, hidden 384, 12 heads, intermediate 1536: MiniLM's shape, random weights) on
@@ -53,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 SYSTEMS = ("pytorch", "dpopt", "dpopt-materialize", "opacus-hooks", "opacus-ghost", "dp-grape", "dp-galore",
-           "galore", "dpzero")
+           "galore", "dpzero", "disk-sgd", "dp-srg-memf")
 DEFAULT_SYSTEMS = ("pytorch", "dpopt", "opacus-hooks", "opacus-ghost")
 WORKLOADS = ("cnn", "bert", "minilm")
 # glibc: no trimming of the heap's top, and allocations up to 32 MiB (glibc's cap) from the heap, not mmap.
@@ -167,7 +168,7 @@ def _step_fn(system: str, case: Case, model: nn.Module, dataset: Any, loss: Call
             galore.zero_grad()
 
         return galore_step
-    if system in ("dpopt", "dpopt-materialize", "dp-grape", "dp-galore", "dpzero"):
+    if system in ("dpopt", "dpopt-materialize", "dp-grape", "dp-galore", "dpzero", "disk-sgd", "dp-srg-memf"):
         from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
         from dpopt.clipping import Clipping
         from dpopt.data.samplers import FixedOrderSampler
@@ -178,7 +179,7 @@ def _step_fn(system: str, case: Case, model: nn.Module, dataset: Any, loss: Call
 
         privatizer = Privatizer(Clipping(1.0), GaussianNoise(1.0, 1.0, SecretStream(0, "noise")),
                                 FixedOrderSampler(n, n, SecretStream(0, "sampling")), PrivacyLedger())
-        algorithm = system if system in ("dp-grape", "dp-galore", "dpzero") else f"dp-{case.optimizer}"
+        algorithm = system if system not in ("dpopt", "dpopt-materialize") else f"dp-{case.optimizer}"
         engine = PerExampleEngine(model, loss, strategy="materialize" if system == "dpopt-materialize" else "auto")
         opt = build_algorithm(algorithm, engine, privatizer, Hyperparameters(lr=0.01, rank=case.rank))
         opt.verified = True  # the one-time self-check is not part of a training step

@@ -10,7 +10,8 @@ which the accountant applies); every mode below guarantees it.
 * ``automatic`` — g_i * C / (||g_i|| + stability) (Bu et al., "Automatic clipping", 2023): every example
   normalised, norm < C.
 
-An example whose norm is not finite gets weight 0 and contributes nothing; it is counted.
+An example whose norm is not finite gets weight 0 and contributes nothing; it is counted (and ``dpopt train``
+warns). A negative squared norm is an error, never a weight.
 """
 
 from __future__ import annotations
@@ -43,7 +44,12 @@ class Clipping:
         return float(self.bound)
 
     def weights(self, sq_norms: torch.Tensor, groups: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-example, per-parameter weights [B, P] and the mask of examples with finite norms [B]."""
+        """Per-example, per-parameter weights [B, P] and the mask of examples with finite norms [B]. A negative
+        squared norm is refused: norms are sums of squares, so it can only be a numerical failure, and turning
+        it into a weight (NaN, then 0) would hide it."""
+        if bool((sq_norms < 0).any()):
+            raise FloatingPointError(f"a per-example squared norm is negative ({float(sq_norms.min()):.3e}): the "
+                                     "norm computation lost precision; please report this model and statistic")
         if self.mode == "per-layer":
             group = torch.tensor(groups, device=sq_norms.device)
             n_groups = int(group.max()) + 1

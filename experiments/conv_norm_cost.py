@@ -5,7 +5,7 @@ CPU milliseconds at one thread (``time.process_time``; each measurement warmed u
 ``--rounds`` calls in a row, so that every one runs with warm caches, as inside a step): the non-private
 PyTorch step and dpopt's DP-SGD step (``dpopt.bench``'s steps), and, on the activations and output gradients
 of one real backward pass, the squared per-example norms of each convolution's weight gradient by dpopt's
-route (``captures.inner``: per chunk of examples, one copy of the patches, channels-last or by stride phase,
+route (``captures.sq_norms``: per chunk of examples, one copy of the patches, channels-last or by stride phase,
 and one batched product with the output gradient), by one grouped convolution per chunk of 64 examples with
 the batch folded into the groups (Rochette et al., 2019; dpopt's route until 2026-11-23), and by the ghost
 route (Gram matrices of the unfolded patches and of the output gradients, Li et al., 2022; the route
@@ -25,7 +25,7 @@ from torch import nn
 
 from dpopt import bench
 from dpopt.data.samplers import take
-from dpopt.grad.captures import ConvOuter, inner
+from dpopt.grad.captures import ConvOuter, sq_norms
 from experiments._report import write_table
 
 
@@ -74,10 +74,10 @@ def measure(batch: int, rounds: int) -> dict[str, float]:
     convs = _conv_captures(case)
     for c in convs:
         for route in (ghost_norms, grouped_norms):
-            assert torch.allclose(inner(c, c), route(c), rtol=1e-3), f"{route.__name__} disagrees with dpopt's"
+            assert torch.allclose(sq_norms(c), route(c), rtol=1e-3), f"{route.__name__} disagrees with dpopt's"
     jobs: dict[str, Callable[[], object]] = {f"{s} step": f for s, f in steps.items()}
     for i, c in enumerate(convs, 1):
-        jobs[f"conv{i} norms, dpopt (patches + batched product)"] = lambda c=c: inner(c, c)
+        jobs[f"conv{i} norms, dpopt (patches + batched product)"] = lambda c=c: sq_norms(c)
         jobs[f"conv{i} norms, grouped convolution"] = lambda c=c: grouped_norms(c)
         jobs[f"conv{i} norms, ghost (Gram)"] = lambda c=c: ghost_norms(c)
     return {k: 1e3 * bench.cpu_medians_in_turn({k: f}, rounds, warmup=3)[k] for k, f in jobs.items()}

@@ -1,8 +1,8 @@
 """Per-example statistics: hook rules, ghost/book-keeping captures and the torch.func fallback."""
 
-from dpopt.grad.captures import Capture, Dense, Outer, inner
+from dpopt.grad.captures import Capture, Dense, Outer, sq_norms
 from dpopt.grad.engine import (ExampleMixingError, PerExampleEngine, PerExampleGradients, batch_size_of,
                                check_per_example)
 
 __all__ = ["Capture", "Dense", "ExampleMixingError", "Outer", "PerExampleEngine", "PerExampleGradients",
-           "batch_size_of", "check_per_example", "inner"]
+           "batch_size_of", "check_per_example", "sq_norms"]

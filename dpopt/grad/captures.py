@@ -8,11 +8,12 @@ gradient. Two forms:
   Linear, Conv (unfolded) and Embedding gradients arise. ``left`` may be an index tensor (the rows an
   Embedding looked up), meaning one-hot vectors. Never materialised unless that is cheaper.
 
-Only three operations are needed by every clipping rule and every algorithm: ``inner(a, b)`` (per-example
-inner products, so norms of linear combinations such as c*G(x+gd) + (1-c)*G(x) need no materialisation;
-for two ``Outer`` captures this is the ghost-norm identity <L_a R_a^T, L_b R_b^T> = sum_ts (L_a L_b^T)_ts
-(R_a R_b^T)_ts), ``weighted_sum(w)`` (sum_i w_i G_i in one contraction: the book-keeping trick) and
-``materialize()``.
+Three operations are all every clipping rule and every algorithm needs: ``sq_norms(c)`` (per-example squared
+norms; for an ``Outer`` capture by the ghost-norm identity ||L^T R||^2 = sum_ts (L L^T)_ts (R R^T)_ts where
+that is cheaper than materialising), ``weighted_sum(w)`` (sum_i w_i G_i in one contraction: the book-keeping
+trick) and ``materialize()``. Linear combinations of captures (two-point statistics) are not expanded into
+cross terms, whose float sum can cancel below the true norm: ``PerExampleGradients`` materialises them, or
+merges one-hot captures with ``coalesce``. Low-precision captures are normed and summed in float32.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import torch.nn.functional as F
 # Per-example temporaries (Gram matrices, unfolded patches) are formed for chunks of examples holding at
 # most this many elements, so the clip stage never needs more than a few MB on top of the captures.
 CHUNK_ELEMENTS = 1 << 20
+# A ghost norm below 1/CANCELLING of its steps' own squared norms is recomputed exactly (``_outer_sq_norms``).
+CANCELLING = 16
 
 
 def chunks(batch: int, per_example: int) -> list[slice]:
@@ -91,7 +94,7 @@ class Dense(Capture):
         return self.g[s]
 
     def weighted_sum(self, w: torch.Tensor) -> torch.Tensor:
-        return torch.tensordot(w.to(self.g.dtype), self.g, dims=1)
+        return torch.tensordot(_f32(w), _f32(self.g), dims=1)
 
     def held_elements(self) -> int:
         return self.g.numel()
@@ -153,15 +156,16 @@ class Outer(Capture):
     def weighted_sum(self, w: torch.Tensor) -> torch.Tensor:
         self.check_unchanged()
         b, t, n = self.right.shape
+        w = _f32(w).view(b, 1, 1)
         if self.indexed:
-            scaled = (self.right * w.to(self.right.dtype).view(b, 1, 1)).reshape(b * t, n)
-            out = self.right.new_zeros(self.rows, n).index_add_(0, self.left.reshape(-1), scaled)
+            scaled = (_f32(self.right) * w).reshape(b * t, n)
+            out = scaled.new_zeros(self.rows, n).index_add_(0, self.left.reshape(-1), scaled)
         elif self.left.shape[-1] <= n:  # rescale the smaller factor
-            left = (self.left * w.to(self.left.dtype).view(b, 1, 1)).reshape(b * t, self.rows)
-            out = left.T @ self.right.reshape(b * t, n)
+            left = (_f32(self.left) * w).reshape(b * t, self.rows)
+            out = left.T @ _f32(self.right).reshape(b * t, n)
         else:
-            right = (self.right * w.to(self.right.dtype).view(b, 1, 1)).reshape(b * t, n)
-            out = self.left.reshape(b * t, self.rows).T @ right
+            right = (_f32(self.right) * w).reshape(b * t, n)
+            out = _f32(self.left).reshape(b * t, self.rows).T @ right
         return out.view(self.shape)
 
     def held_elements(self) -> int:
@@ -295,9 +299,9 @@ class ConvOuter(Outer):
 
     def weighted_sum(self, w: torch.Tensor) -> torch.Tensor:
         self.check_unchanged()
-        g = self.g * w.to(self.g.dtype).view(-1, 1, 1, 1)
+        g = _f32(self.g) * _f32(w).view(-1, 1, 1, 1)
         shape = (self.rows, self.x.shape[1] // self.groups, *self.kernel)
-        return torch.nn.grad.conv2d_weight(self.x, shape, g, stride=self.stride, padding=self.padding,
+        return torch.nn.grad.conv2d_weight(_f32(self.x), shape, g, stride=self.stride, padding=self.padding,
                                            dilation=self.dilation, groups=self.groups).view(self.shape)
 
     def held_elements(self) -> int:
@@ -317,45 +321,33 @@ def _left_gram(la: torch.Tensor, lb: torch.Tensor, dtype: torch.dtype) -> torch.
     return torch.bmm(_f32(la), _f32(lb).transpose(1, 2))
 
 
-def by_materializing(a: Capture, b: Capture | None = None) -> bool:
-    """Whether <a, b> (the norm of ``a`` by default) is computed from materialised per-example gradients:
-    for two dense-factored ``Outer`` captures whose ghost route costs more."""
-    b = a if b is None else b
-    return (isinstance(a, Outer) and isinstance(b, Outer) and not (a.indexed or b.indexed)
-            and not a.ghost_cost(b) <= a.materialize_cost(b))
+def by_materializing(c: Capture) -> bool:
+    """Whether the norm of ``c`` is computed from materialised per-example gradients: a dense-factored
+    ``Outer`` capture whose ghost route costs more."""
+    return isinstance(c, Outer) and not c.indexed and not c.ghost_cost(c) <= c.materialize_cost(c)
 
 
-def _inner_outer(a: Outer, b: Outer) -> torch.Tensor:
+def _outer_sq_norms(c: Outer) -> torch.Tensor:
     """By the ghost identity where it is cheaper, else from per-example gradients materialised a chunk of
-    examples at a time; a norm (``a is b``) forms each chunk's factors or gradients once."""
-    out = []
-    if not by_materializing(a, b):
-        for s in chunks(a.batch_size, a.factor_temporaries() + b.factor_temporaries() + 3 * a.steps * b.steps):
-            la, ra = a.factors(s)
-            lb, rb = (la, ra) if b is a else b.factors(s)
-            right = torch.bmm(_f32(ra), _f32(rb).transpose(1, 2))
-            out.append(_pairwise_dot(_left_gram(la, lb, right.dtype), right))
-    else:
-        form = (lambda c, s: c.flat(s)) if a.flat_order == b.flat_order else (lambda c, s: c.materialize(s).flatten(1))
-        for s in chunks(a.batch_size, 2 * a.rows * a.cols):
-            ga = form(a, s)
-            out.append(inner_dense(ga, ga if b is a else form(b, s)))
-    return torch.cat(out)
-
-
-def _inner_outer_dense(a: Outer, d: torch.Tensor) -> torch.Tensor:
-    """sum_t left_t^T D_i right_t per example, for a dense per-example gradient D."""
-    d = d.reshape(a.batch_size, a.rows, a.cols)
-    out = []
-    for s in chunks(a.batch_size, a.factor_temporaries() + 2 * a.steps * max(a.rows, a.cols)):
-        left, right = a.factors(s)
-        ds, right = _f32(d[s]), _f32(right)
-        if a.indexed:
-            picked = torch.gather(ds, 1, left.unsqueeze(-1).expand(*left.shape, a.cols))
-            out.append((picked * right).sum((1, 2)))
-        else:
-            out.append((torch.bmm(_f32(left), ds) * right).sum((1, 2)))
-    return torch.cat(out)
+    examples at a time. The ghost sum sum_ts A_ts B_ts of float32 Gram matrices carries a rounding error of
+    about u * D, D = sum_t A_tt B_tt (the steps' own squared norms, u = 2^-24): small beside the norm unless
+    the steps cancel. Examples whose ghost norm is under D / ``CANCELLING`` (or negative) are recomputed from
+    their materialised gradients, so the error stays about ``CANCELLING`` * u relative."""
+    if by_materializing(c):
+        return torch.cat([inner_dense(g, g) for g in map(c.flat, chunks(c.batch_size, 2 * c.rows * c.cols))])
+    out, own = [], []
+    for s in chunks(c.batch_size, c.factor_temporaries() + 3 * c.steps * c.steps):
+        left, right = c.factors(s)
+        gram = torch.bmm(_f32(right), _f32(right).transpose(1, 2))
+        left_gram = _left_gram(left, left, gram.dtype)
+        out.append(_pairwise_dot(left_gram, gram))
+        own.append((left_gram.diagonal(dim1=1, dim2=2) * gram.diagonal(dim1=1, dim2=2)).sum(1))
+    sq = torch.cat(out)
+    cancelled = (sq * CANCELLING < torch.cat(own)).nonzero().squeeze(1)
+    if cancelled.numel():
+        g = c.subset(cancelled).materialize()
+        sq[cancelled] = inner_dense(g, g)
+    return sq
 
 
 def _pairwise_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -370,17 +362,32 @@ def inner_dense(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _pairwise_dot(_f32(a), _f32(b))
 
 
-def inner(a: Capture, b: Capture) -> torch.Tensor:
-    """Per-example inner products <G_a[i], G_b[i]> (float32, shape [B])."""
-    if a.batch_size != b.batch_size or a.shape.numel() != b.shape.numel():
-        raise ValueError("captures of different batches or parameters cannot be combined")
-    for c in (a, b):
-        if isinstance(c, Outer):
-            c.check_unchanged()
-    if isinstance(a, Outer) and isinstance(b, Outer):
-        return _inner_outer(a, b)
-    if isinstance(a, Outer):
-        return _inner_outer_dense(a, b.materialize())
-    if isinstance(b, Outer):
-        return _inner_outer_dense(b, a.materialize())
-    return inner_dense(a.materialize(), b.materialize())
+def sq_norms(c: Capture) -> torch.Tensor:
+    """Per-example squared norms ||G[i]||^2 (float32, shape [B]): sums of squares, or the ghost identity."""
+    if isinstance(c, Outer):
+        c.check_unchanged()
+        return _outer_sq_norms(c)
+    g = c.materialize()
+    return inner_dense(g, g)
+
+
+def coalesce(terms: list[tuple[float, Outer]]) -> Outer:
+    """sum_k c_k G_k for one-hot captures of one parameter (an embedding table used at two points, or twice)
+    as one capture whose rows are distinct within each example: its ghost norm then has no cross terms
+    between equal rows, so nothing cancels, and its weighted sum adds the same merged rows. Rows are padded
+    with (row 0, zero vector) to the largest count of distinct rows per example; float32 at least."""
+    b, rows, n = terms[0][1].batch_size, terms[0][1].rows, terms[0][1].cols
+    index = torch.cat([t.left for _, t in terms], 1)
+    right = torch.cat([_f32(t.right) * c for c, t in terms], 1)
+    key = index + rows * torch.arange(b, device=index.device).unsqueeze(1)
+    unique, inverse = torch.unique(key, return_inverse=True)  # sorted: the examples' rows are contiguous
+    merged = right.new_zeros(unique.numel(), n).index_add_(0, inverse.reshape(-1), right.reshape(-1, n))
+    example = torch.div(unique, rows, rounding_mode="floor")
+    counts = torch.bincount(example, minlength=b)
+    slot = torch.arange(unique.numel(), device=index.device) - (counts.cumsum(0) - counts)[example]
+    width = int(counts.max()) if unique.numel() else 1
+    left = index.new_zeros(b, width)
+    left[example, slot] = unique - rows * example
+    padded = right.new_zeros(b, width, n)
+    padded[example, slot] = merged
+    return Outer(left, padded, rows, terms[0][1].shape)

@@ -24,7 +24,9 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from dpopt.clipping import PerExampleStatistic
-from dpopt.grad.captures import Capture, Dense, Outer, by_materializing, check_version, chunks, inner, inner_dense
+from dpopt.grad.captures import (CHUNK_ELEMENTS, Capture, Dense, Outer, by_materializing, check_version, chunks, coalesce,
+                                 inner_dense)
+from dpopt.grad.captures import sq_norms as capture_sq_norms
 from dpopt.grad.fallback import loss_gradients, module_gradients
 from dpopt.grad.rules import TOKENWISE, Rule, rule_for
 
@@ -78,6 +80,14 @@ def _check_example_major(unit: _Unit, x: torch.Tensor, b: int) -> None:
                          "dimension 0 of every layer's input")
 
 
+def _weighted_rows(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """sum_i w_i g[i] over the rows of weight != 0 (a non-finite row given weight 0 contributes exactly zero)."""
+    keep = w != 0
+    if not bool(keep.all()):
+        w, g = w[keep], g[keep]
+    return torch.tensordot(w.to(g.dtype), g, dims=1)
+
+
 class PerExampleGradients(PerExampleStatistic):
     """Per-example gradients of a batch, as a linear combination of captured terms per parameter."""
 
@@ -118,18 +128,33 @@ class PerExampleGradients(PerExampleStatistic):
         return self * -1.0
 
     # --- what the clip stage needs ---------------------------------------------------------------
+    # A parameter with several terms (a combination, or a parameter used twice) is normed and summed from
+    # its materialised per-example vectors, sum_k c_k G_k formed in float32 a chunk of examples at a time:
+    # expanded into cross terms, its squared norm is a float sum that cancels below the true value when the
+    # coefficients nearly cancel (DiSK's c = 43 at gamma = 0.01 and 1 - c; SRG's eta and -(eta - 1)), and
+    # the clip bound is lost. One-hot captures are merged instead (``coalesce``): exact, and cheap.
+    def _settle(self) -> None:
+        for j, ts in enumerate(self.terms):
+            if ts and all(isinstance(t, Outer) and t.indexed for _, t in ts) and (len(ts) > 1 or ts[0][1].steps > 1):
+                self.terms[j] = [(1.0, coalesce(ts))]
+
+    def _combined(self, j: int) -> bool:
+        return len(self.terms[j]) > 1
+
     def sq_norms(self, skip: Collection[int] = ()) -> torch.Tensor:
-        """Squared per-example norms per parameter, [B, P] in float32 (cross terms included); the columns
-        of the parameters in ``skip`` are left zero."""
+        """Squared per-example norms per parameter, [B, P] in float32; the columns of the parameters in
+        ``skip`` are left zero."""
         self._check_alive()
+        self._settle()
         cols = []
         for j, (p, ts) in enumerate(zip(self.engine.params, self.terms)):
-            acc = torch.zeros(self.batch_size, device=p.device, dtype=torch.float32)
-            for k, (ck, tk) in enumerate(ts if j not in skip else []):
-                acc = acc + ck * ck * inner(tk, tk)
-                for cl, tl in ts[k + 1:]:
-                    acc = acc + 2.0 * ck * cl * inner(tk, tl)
-            cols.append(acc)
+            if j in skip or not ts:
+                cols.append(torch.zeros(self.batch_size, device=p.device, dtype=torch.float32))
+            elif self._combined(j):
+                cols.append(torch.cat([inner_dense(g, g) for g in map(lambda s: self._flat(j, s), self._chunks(j))]))
+            else:
+                c, t = ts[0]
+                cols.append(c * c * capture_sq_norms(t))
         return torch.stack(cols, 1)
 
     def weighted_sum(self, weights: torch.Tensor, release: bool = False) -> list[torch.Tensor]:
@@ -139,6 +164,7 @@ class PerExampleGradients(PerExampleStatistic):
         spent afterwards), so the sums of the first parameters — an embedding table's, say — are allocated
         when the other captures are already gone and the step's peak memory stays near a plain backward's."""
         self._check_alive()
+        self._settle()
         if weights.dim() == 1:
             weights = weights.unsqueeze(1).expand(-1, len(self.terms))
         sums = self._sums(weights, range(len(self.terms)), release)
@@ -148,31 +174,28 @@ class PerExampleGradients(PerExampleStatistic):
 
     def clipped_sum(self, weigh: Callable[[torch.Tensor], torch.Tensor], release: bool = False) -> list[torch.Tensor]:
         """sum_i w_i g_i per parameter with weights w = ``weigh``(squared norms) [n, P], computed for rows of
-        examples (the clip stage). The parameters whose norms need materialised per-example gradients
-        (convolutions) are materialised once, a chunk of examples at a time: the chunk's norms complete its
-        rows, ``weigh`` turns them into its weights, and the same gradients are summed with them at once, so
-        they are never formed a second time for the sum."""
+        examples (the clip stage). The parameters normed from materialised per-example vectors (convolutions,
+        combinations) are materialised once, a chunk of examples at a time, when they are small enough to be
+        held together for a chunk: the chunk's norms complete its rows, ``weigh`` turns them into its weights,
+        and the same vectors are summed with them at once. Otherwise norms and sums are two chunked passes."""
         self._check_alive()
-        direct = [j for j, ts in enumerate(self.terms)
-                  if ts and all(by_materializing(t) for _, t in ts) and len({t.flat_order for _, t in ts}) == 1]
+        self._settle()
+        direct = [j for j, ts in enumerate(self.terms) if self._combined(j) or (ts and by_materializing(ts[0][1]))]
+        per_example = sum(self.shapes[j].numel() for j in direct)
+        if not direct or per_example > CHUNK_ELEMENTS // 2:
+            return self.weighted_sum(weigh(self.sq_norms()), release)
         sq = self.sq_norms(skip=direct)
-        if not direct:
-            return self.weighted_sum(weigh(sq), release)
         sums: dict[int, torch.Tensor | None] = {j: None for j in direct}
-        unflat = {j: self.terms[j][0][1].unflat for j in direct}
+        unflat = {j: self._unflat(j) for j in direct}
         weights = []
-        for s in chunks(self.batch_size, 2 * sum(self.shapes[j].numel() for j in direct)):
+        for s in chunks(self.batch_size, 2 * per_example):
             grads = {j: self._flat(j, s) for j in direct}
             for j, g in grads.items():
                 sq[s, j] = inner_dense(g, g)
             w = weigh(sq[s])
             weights.append(w)
             for j, g in grads.items():
-                wj = w[:, j]
-                keep = wj != 0
-                if not bool(keep.all()):  # a non-finite example contributes exactly zero
-                    g, wj = g[keep], wj[keep]
-                part = torch.tensordot(wj.to(g.dtype), g, dims=1).to(self._sum_dtype(j))
+                part = _weighted_rows(w[:, j], g)
                 sums[j] = part if sums[j] is None else sums[j].add_(part)
         if release:
             for j in direct:
@@ -184,15 +207,27 @@ class PerExampleGradients(PerExampleStatistic):
             self.released = True
         return out
 
+    def _chunks(self, j: int) -> list[slice]:
+        return chunks(self.batch_size, 2 * self.shapes[j].numel())
+
     def _flat(self, j: int, s: slice) -> torch.Tensor:
-        """Per-example gradients of parameter ``j`` for the examples in ``s``, [n, numel] in its captures'
-        own order (they share one ``flat_order``)."""
+        """Per-example vectors sum_k c_k G_k of parameter ``j`` for the examples in ``s``, [n, numel] in float32
+        at least, in its captures' shared ``flat_order`` (the parameter's own order if they differ)."""
         (c, t), *more = self.terms[j]
-        g = t.flat(s)
-        g = g * c if c != 1.0 or more else g
+        own = len({t.flat_order for _, t in self.terms[j]}) > 1
+        form = (lambda t: t.materialize(s).flatten(1)) if own else (lambda t: t.flat(s))
+        g = form(t)
+        g = g.to(self._sum_dtype(j)) * c if c != 1.0 or more or g.dtype != self._sum_dtype(j) else g
         for c, t in more:
-            g.add_(t.flat(s), alpha=c)
+            g.add_(form(t), alpha=c)
         return g
+
+    def _unflat(self, j: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Maps a [numel] sum in ``_flat``'s order to the parameter's (statistic's) shape."""
+        ts = self.terms[j]
+        if len({t.flat_order for _, t in ts}) == 1:
+            return ts[0][1].unflat
+        return lambda t: t.view(self.shapes[j])
 
     def _sum_dtype(self, j: int) -> torch.dtype:
         dtype = self.engine.params[j].dtype
@@ -208,11 +243,17 @@ class PerExampleGradients(PerExampleStatistic):
             dtype = self._sum_dtype(j)
             w = weights[:, j] if rows is None else weights[rows, j]
             acc = None
-            for c, t in ts if rows is None or rows.numel() else []:
-                part = (t if rows is None else t.subset(rows)).weighted_sum(w).to(dtype)  # a fresh tensor
-                if c != 1.0:
-                    part.mul_(c)
-                acc = part if acc is None else acc.add_(part)
+            if self._combined(j):
+                unflat = self._unflat(j)
+                for s in self._chunks(j):
+                    part = _weighted_rows(weights[s, j], self._flat(j, s))
+                    acc = part if acc is None else acc.add_(part)
+                acc = unflat(acc)
+            else:
+                for c, t in ts if rows is None or rows.numel() else []:
+                    acc = (t if rows is None else t.subset(rows)).weighted_sum(w).to(dtype)  # a fresh tensor
+                    if c != 1.0:
+                        acc.mul_(c)
             if release:
                 self.terms[j] = []
                 del ts
