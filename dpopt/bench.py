@@ -6,7 +6,7 @@ own process, timed and measured side by side.
   CPU time, which other processes' load disturbs far less (with ``--threads 1``);
 * memory, ``peak_mb``: the peak of live tensor memory during one more step, like CUDA's
   ``max_memory_allocated``: the tensors alive when the step starts (model, optimizer state, data) plus the
-  peak of the running sum of every allocation and free the profiler records during the step. It counts
+  peak of the running sum of the allocator's records (every allocation and free) in time order. It counts
   what the step needs, independent of allocator caching and of the libraries a system imports;
 * ``rss_mb``: the process's peak resident set size over the timed steps (Linux VmHWM), for reference.
 * with ``--interleave``, ``interleaved_cpu_s``: median CPU seconds per step with every system that ran built
@@ -94,16 +94,20 @@ def _live_tensor_bytes() -> int:
 
 def peak_tensor_mb(step: Callable[[], None]) -> float:
     """Peak live tensor memory (MB) while ``step`` runs: live tensors at its start plus the peak of the
-    running sum of the allocations and frees the profiler records, in time order."""
+    running sum of the allocator's records (one per allocation, bytes > 0, and per free, bytes < 0) in the
+    order they happened. (Before 2026-11-25 the bench summed each operation's net memory at the moment the
+    operation started; an operation that frees more than it allocates, autograd's backward say, then hid
+    the allocations made inside it.)"""
     from torch.profiler import ProfilerActivity, profile
 
     gc.collect()
     start = _live_tensor_bytes()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
+    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     running = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        running += event.self_cpu_memory_usage
+    for record in sorted(records, key=lambda e: e.start_ns()):
+        running += record.nbytes()
         peak = max(peak, running)
     return (start + peak) / 2**20
 

@@ -2,6 +2,8 @@
 
 import json
 
+import torch
+
 from dpopt import bench
 from dpopt.cli import main
 
@@ -39,3 +41,31 @@ def test_steady_heap_reaches_the_worker_and_stops_page_faults_between_steps():
     tensors, returned to the OS at the end of the step before)."""
     steady = bench.measure("pytorch", bench.Case("cnn", 256, threads=1), warmup=2, steps=3, steady_heap=True)
     assert steady["faults_per_step"] < 1000
+
+
+class _TemporaryInBackward(torch.autograd.Function):
+    """y = 2x, whose backward allocates a 16 MB temporary."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        temporary = torch.ones(4 << 20)
+        return g * 2 + temporary[: g.numel()].view_as(g)
+
+
+def test_peak_memory_sees_a_temporary_allocated_inside_backward():
+    """During backward, y (4 MB, held by the step) and the 16 MB temporary are alive together: the peak
+    over what was alive at the start is at least 20 MB. Summing each operation's net memory at its start
+    (the bench's old method) let backward's frees hide the temporary: 8 MB."""
+    x = torch.randn(1 << 20, requires_grad=True)
+
+    def step():
+        y = _TemporaryInBackward.apply(x)
+        y.sum().backward()
+        x.grad = None
+
+    start = bench._live_tensor_bytes() / 2**20
+    assert bench.peak_tensor_mb(step) - start >= 20
