@@ -23,7 +23,7 @@ import torch
 
 from dpopt.clipping import Clipping, ClipStats, PerExampleStatistic, clip_and_sum
 from dpopt.data.samplers import PoissonSampler, Sampler, take
-from dpopt.grad.engine import PerExampleEngine, batch_size_of
+from dpopt.grad.engine import PerExampleEngine
 from dpopt.noise.correlated import CorrelatedNoise
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.privacy.ledger import PoissonSampling, PrivacyLedger
@@ -53,13 +53,21 @@ class Privatizer:
 
     def __call__(self, grads: PerExampleStatistic | None, shapes: Sequence[torch.Size], device: torch.device,
                  step: int) -> tuple[list[torch.Tensor], ClipStats]:
-        """(sum_i clip(g_i) + N(0, sigma^2 C^2 I)) / normaliser, for statistics of the given shapes;
-        ``grads=None`` is an empty batch (noise alone)."""
+        """(sum_i clip(g_i) + N(0, sigma^2 C^2 I)) / normaliser of one whole batch, for statistics of the given
+        shapes; ``grads=None`` is an empty batch (noise alone)."""
         if grads is None:
-            sums = [torch.zeros(s, device=device) for s in shapes]
-            stats = ClipStats(0, 0)
+            sums, stats = [torch.zeros(s, device=device) for s in shapes], ClipStats(0, 0)
         else:
-            sums, stats = clip_and_sum(grads, self.clipping, release=True)  # the statistic is used once
+            sums, stats = self.clip(grads)
+        return self.release(sums, step), stats
+
+    def clip(self, grads: PerExampleStatistic) -> tuple[list[torch.Tensor], ClipStats]:
+        """Stage 3 for one physical batch: sum_i clip(g_i). The statistic is used up (its storage is freed as it
+        is summed). Releases nothing: a logical step adds the sums of its physical batches, then ``release``."""
+        return clip_and_sum(grads, self.clipping, release=True)
+
+    def release(self, sums: list[torch.Tensor], step: int) -> list[torch.Tensor]:
+        """Stage 4, once per logical step: (sums + noise) / normaliser, recorded in the ledger (in place)."""
         if self.parallel is None:
             noisy = self.noise(sums, step)
         else:
@@ -67,7 +75,7 @@ class Privatizer:
         self.ledger.record(self.noise.release(self.sampler.participation))
         for n in noisy:
             n.div_(self.sampler.normalizer)
-        return noisy, stats
+        return noisy
 
     def batch(self, step: int) -> torch.Tensor:
         """The indices of this process's examples in the step's batch (all of them without ``parallel``)."""
@@ -94,15 +102,18 @@ class DPOptimizer:
 
     def __init__(self, engine: PerExampleEngine, privatizer: Privatizer, base: torch.optim.Optimizer,
                  transforms: Sequence[Transform] = (), statistic: Statistic | None = None,
-                 shapes: Sequence[torch.Size] | None = None, verify: bool = True) -> None:
+                 shapes: Sequence[torch.Size] | None = None, verify: bool = True,
+                 physical_batch_size: int | None = None) -> None:
         """``shapes``: of the privatized statistic, if not the engine's (e.g. one scalar for DPZero);
-        ``verify=False`` for a statistic that does not come from the engine's per-example gradients."""
+        ``verify=False`` for a statistic that does not come from the engine's per-example gradients;
+        ``physical_batch_size``: the most examples sent through one forward/backward (None: the whole batch)."""
         self.engine, self.privatizer, self.base = engine, privatizer, base
         self.transforms = list(transforms)
         self._statistic = statistic
         self._shapes = None if shapes is None else list(shapes)
         self.steps = 0
         self.verified = not verify
+        self.physical_batch_size = physical_batch_size
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -120,15 +131,37 @@ class DPOptimizer:
             return self._statistic(self.engine, batch)
         return self.engine.gradients(batch)
 
+    @property
+    def physical_batch_size(self) -> int | None:
+        return self._physical
+
+    @physical_batch_size.setter
+    def physical_batch_size(self, size: int | None) -> None:
+        if size is not None and not (isinstance(size, int) and size >= 1):
+            raise ValueError(f"the physical batch size must be an integer >= 1, got {size}")
+        self._physical = size
+
     def step(self, data: Any) -> StepResult:
         """One private step on a batch that this step samples from ``data`` (a tensor or a pytree of
-        tensors indexed along dimension 0, or a callable mapping an index tensor to a batch)."""
-        batch = take(data, self.privatizer.batch(self.steps))
-        if not self.verified and batch_size_of(batch) > 0:
-            self.engine.verify(batch)  # once: the engine attributes every layer's gradient correctly
+        tensors indexed along dimension 0, or a callable mapping an index tensor to a batch). The batch (the
+        logical batch: one release, one ledger event) goes through the engine in physical batches of at most
+        ``physical_batch_size`` examples whose clipped sums are added before the noise: the same release as
+        one pass over the whole batch, with memory set by the physical batch."""
+        index = self.privatizer.batch(self.steps)
+        if not self.verified and index.numel() > 0:
+            self.engine.verify(take(data, index[:8]))  # once: the engine attributes every layer's gradient correctly
             self.verified = True
-        grads = self.statistic(batch) if batch_size_of(batch) > 0 else None
-        g, stats = self.privatizer(grads, self.shapes, self.params[0].device, self.steps)
+        sums, examples, nonfinite, losses = None, 0, 0, []
+        for part in index.split(self.physical_batch_size or index.numel()) if index.numel() else ():
+            grads = self.statistic(take(data, part))
+            if grads.losses is not None:
+                losses.append(grads.losses[torch.isfinite(grads.losses)])
+            clipped, stats = self.privatizer.clip(grads)
+            sums = clipped if sums is None else [a.add_(b) for a, b in zip(sums, clipped)]
+            examples, nonfinite = examples + stats.examples, nonfinite + stats.nonfinite
+        if sums is None:  # an empty batch: noise alone
+            sums = [torch.zeros(s, device=self.params[0].device) for s in self.shapes]
+        g = self.privatizer.release(sums, self.steps)
         for t in self.transforms:
             g = t(g)
         for t in self.transforms:
@@ -137,10 +170,10 @@ class DPOptimizer:
         for t in self.transforms:
             t.after_update(self.params)
         self.steps += 1
-        losses = None if grads is None or grads.losses is None else grads.losses[torch.isfinite(grads.losses)]
+        loss = torch.cat(losses) if losses else None
         examples, nonfinite, loss_sum, loss_count = self.privatizer.total(
-            [stats.examples, stats.nonfinite, 0.0 if losses is None else float(losses.double().sum()),
-             0 if losses is None else losses.numel()])
+            [examples, nonfinite, 0.0 if loss is None else float(loss.double().sum()),
+             0 if loss is None else loss.numel()])
         return StepResult(loss_sum / loss_count if loss_count else None, int(examples), int(nonfinite))
 
     def update(self, grads: list[torch.Tensor]) -> None:

@@ -101,7 +101,10 @@ def register(name: str, noise: str = "gaussian", decayed: bool = False,
 
 
 def build_algorithm(name: str, engine: PerExampleEngine, privatizer: Privatizer,
-                    hp: Hyperparameters) -> DPOptimizer:
+                    hp: Hyperparameters, physical_batch_size: int | None = None) -> DPOptimizer:
+    """The recipe ``name``; its steps go through the engine ``physical_batch_size`` examples at a time."""
     if name not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {name!r}; choose one of {', '.join(sorted(ALGORITHMS))}")
-    return ALGORITHMS[name](engine, privatizer, hp)
+    optimizer = ALGORITHMS[name](engine, privatizer, hp)
+    optimizer.physical_batch_size = physical_batch_size
+    return optimizer

@@ -56,18 +56,15 @@ class NonPrivate(Privatizer):
             raise ValueError("a non-private baseline adds no noise: build it with noise multiplier 0 "
                              f"(got {self.noise.noise_multiplier}), and do not give it a privacy target")
 
-    def __call__(self, grads: PerExampleStatistic | None, shapes: list[torch.Size], device: torch.device,
-                 step: int) -> tuple[list[torch.Tensor], ClipStats]:
-        if grads is None:
-            sums, stats = [torch.zeros(s, device=device) for s in shapes], ClipStats(0, 0)
-        else:
-            finite = torch.isfinite(grads.sq_norms().sum(1))
-            sums = grads.weighted_sum(finite.to(torch.float64))
-            stats = ClipStats(grads.batch_size, int((~finite).sum()))
+    def clip(self, grads: PerExampleStatistic) -> tuple[list[torch.Tensor], ClipStats]:
+        finite = torch.isfinite(grads.sq_norms().sum(1))
+        return grads.weighted_sum(finite.to(torch.float64)), ClipStats(grads.batch_size, int((~finite).sum()))
+
+    def release(self, sums: list[torch.Tensor], step: int) -> list[torch.Tensor]:
         self.ledger.record(GaussianRelease(0.0, self.sampler.participation))
         for s in sums:
             s.div_(self.sampler.normalizer)
-        return sums, stats
+        return sums
 
 
 def _direction(engine: PerExampleEngine, hp: Hyperparameters) -> Direction:

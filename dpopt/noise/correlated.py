@@ -209,12 +209,12 @@ class MatrixNoise(CorrelatedNoise):
             w = z.reshape(-1)
             buf = buffers[i]
             if buf is None or (buf.shape[0] <= step and buf.shape[0] < ring):  # grow by doubling up to `ring`
-                grown = torch.zeros(min(ring, max(8, 2 * (step + 1))), w.numel(), device=device)
+                grown = torch.zeros(min(ring, max(8, 2 * (step + 1))), w.numel(), device=device, dtype=w.dtype)
                 if buf is not None:
                     grown[:buf.shape[0]] = buf
                 buf = buffers[i] = grown
             if step > 0:
-                weights = torch.zeros(buf.shape[0], device=device)
+                weights = torch.zeros(buf.shape[0], device=device, dtype=coef.dtype)
                 weights[slots] = coef[ring - (step - lo):ring]
                 w = w - buf.t() @ weights
             w = w / coef[-1]

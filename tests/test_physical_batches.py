@@ -1,0 +1,86 @@
+"""Physical batches: a logical step sent through the engine in chunks releases the same statistic, with the
+same ledger, as one pass over the whole batch, for every family of algorithms and clipping mode."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from dpopt.algorithms import Hyperparameters
+from dpopt import train as train_module
+from dpopt.train import TrainConfig, build_run
+
+FAMILIES = {  # algorithm: hyper-parameters that make its special statistic active from the first steps
+    "dp-sgd": {}, "dp-adam": {}, "disk-sgd": {"gamma": 0.1}, "dp-grape": {"rank": 4}, "dpzero": {},
+    "dp-memf": {}, "dp-srg-memf": {}, "accel-dp-srgd": {}, "dpgd-0th": {},
+}
+
+
+@pytest.fixture(autouse=True)
+def float64_digits(monkeypatch):
+    """Chunking changes only the order of the sums: in float64 (model and data) they agree to 1e-9."""
+    load = train_module.load_dataset
+
+    def load_float64(*args):
+        data = load(*args)
+        return dataclasses.replace(data, train=(data.train[0].double(), data.train[1]),
+                                   test=(data.test[0].double(), data.test[1]))
+
+    monkeypatch.setattr(train_module, "load_dataset", load_float64)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(default)
+
+
+def run_steps(algorithm: str, physical: int | None, clipping: str = "flat", steps: int = 3, batch: int = 96,
+              sampling: str = "auto", **hp):
+    config = TrainConfig(algorithm=algorithm, dataset="digits", model="mlp", noise_multiplier=0.01, epochs=1,
+                         batch_size=batch, clipping=clipping, sampling=sampling, seed=0,
+                         hp=dataclasses.replace(Hyperparameters(), **hp))
+    run = build_run(config, log=lambda _: None)
+    run.optimizer.physical_batch_size = physical
+    privatizer, released = run.optimizer.privatizer, []
+    release = privatizer.release
+    privatizer.release = lambda sums, step: released.append([t.clone() for t in release(sums, step)]) or released[-1]
+    results = [run.optimizer.step(run.data.train) for _ in range(steps)]
+    return run, results, released
+
+
+def assert_same_run(a, b):
+    """The same releases (to float tolerance: the sums are added in another order), examples and ledger. The
+    noise is small (multiplier 0.01), so one example more or less would show."""
+    (run_a, res_a, out_a), (run_b, res_b, out_b) = a, b
+    for step_a, step_b in zip(out_a, out_b, strict=True):
+        scale = max(float(x.abs().max()) for x in step_a)
+        for x, y in zip(step_a, step_b, strict=True):
+            assert torch.allclose(x, y, rtol=0, atol=1e-9 * scale), float((x - y).abs().max()) / scale
+    assert [r.examples for r in res_a] == [r.examples for r in res_b]
+    assert run_a.ledger.to_dict() == run_b.ledger.to_dict()
+
+
+@pytest.mark.parametrize("algorithm", sorted(FAMILIES))
+def test_chunked_steps_release_what_the_whole_batch_releases(algorithm):
+    assert_same_run(run_steps(algorithm, None, **FAMILIES[algorithm]), run_steps(algorithm, 7, **FAMILIES[algorithm]))
+
+
+@pytest.mark.parametrize("clipping", ["per-layer", "automatic"])
+def test_chunking_keeps_per_layer_and_automatic_clipping(clipping):
+    assert_same_run(run_steps("dp-sgd", None, clipping), run_steps("dp-sgd", 5, clipping))
+
+
+def test_empty_and_oversized_poisson_batches():
+    """Expected batch 2 of 1,797: some steps draw no example (noise alone), none more than a few; a physical
+    batch of 1 makes every example its own chunk, and a Poisson batch above its expected size is chunked."""
+    whole = run_steps("dp-sgd", None, steps=12, batch=2)
+    ones = run_steps("dp-sgd", 1, steps=12, batch=2)
+    sizes = [r.examples for r in whole[1]]
+    assert 0 in sizes and max(sizes) > 2
+    assert_same_run(whole, ones)
+
+
+def test_bad_physical_batch_size_is_refused():
+    run = build_run(TrainConfig(noise_multiplier=1.0, epochs=1), log=lambda _: None)
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match="physical batch size"):
+            run.optimizer.physical_batch_size = bad
