@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from dpopt.clipping import Clipping, ClipStats, PerExampleStatistic, clip_and_sum
-from dpopt.data.samplers import PoissonSampler, Sampler, take
+from dpopt.data.samplers import PoissonSampler, Sampler, distinct_examples, take
 from dpopt.grad.engine import PerExampleEngine, batch_size_of
 from dpopt.noise.correlated import CorrelatedNoise
 from dpopt.noise.gaussian import GaussianNoise
@@ -120,13 +120,19 @@ class DPOptimizer:
             return self._statistic(self.engine, batch)
         return self.engine.gradients(batch)
 
+    def verify(self, data: Any) -> None:
+        """Check once, before the first release, that the engine attributes every layer's gradient to the
+        right example, on 3 distinct examples of ``data`` that it picks itself (whatever the size of the
+        sampled batches). Reads them, releases nothing."""
+        self.engine.verify(distinct_examples(data, self.privatizer.sampler.dataset_size))
+        self.verified = True
+
     def step(self, data: Any) -> StepResult:
         """One private step on a batch that this step samples from ``data`` (a tensor or a pytree of
         tensors indexed along dimension 0, or a callable mapping an index tensor to a batch)."""
+        if not self.verified:
+            self.verify(data)
         batch = take(data, self.privatizer.batch(self.steps))
-        if not self.verified and batch_size_of(batch) > 0:
-            self.engine.verify(batch)  # once: the engine attributes every layer's gradient correctly
-            self.verified = True
         grads = self.statistic(batch) if batch_size_of(batch) > 0 else None
         g, stats = self.privatizer(grads, self.shapes, self.params[0].device, self.steps)
         for t in self.transforms:
