@@ -124,8 +124,10 @@ def test_a_layout_hooks_cannot_attribute_is_refused_naming_the_layer(layout):
     build, t, error = REFUSED[layout]
     torch.manual_seed(0)
     model = build()
+    batch = data(model, 3, t)
     with pytest.raises((ExampleMixingError, ValueError), match=error):
-        PerExampleEngine(model, mlp_loss).verify(data(model, 3, t))
+        PerExampleEngine(model, mlp_loss).verify(batch)
+    PerExampleEngine(model, mlp_loss, "vmap").verify(batch)  # the fix the error suggests
 
 
 def test_a_torch_func_module_whose_output_is_not_batch_first_is_refused_on_every_call():

@@ -335,7 +335,8 @@ class PerExampleEngine:
         self.model.eval()
         self.projection = None  # attribution is checked on the unprojected gradients
         try:
-            self._check_uses(pick(slice(0, examples)))
+            if self.mode == "hooks":
+                self._check_uses(pick(slice(0, examples)))
             got = self.gradients(pick(slice(0, examples))).materialize()
             for i in range(examples):
                 grads = torch.autograd.grad(self.loss_fn(self.model, pick(slice(i, i + 1))).sum(), self.params,
@@ -533,7 +534,7 @@ class PerExampleEngine:
                         f"layer {unit.name!r} ({type(unit.module).__name__}) is differentiated per example with "
                         f"torch.func, and its output {k} has shape {tuple(g.shape)}, whose dimension 0 is not the "
                         f"batch of {b} examples, so it cannot be attributed to examples; keep the batch as "
-                        "dimension 0 of its inputs and outputs (batch_first=True)")
+                        "dimension 0 of its inputs and outputs (batch_first=True), or use mode='vmap'")
             if not cot:
                 continue
             sub = {n: detached[i] for n, i in unit.params.items()}
