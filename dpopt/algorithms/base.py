@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from dpopt.clipping import Clipping, ClipStats, PerExampleStatistic, clip_and_sum
-from dpopt.data.samplers import PoissonSampler, Sampler, take
+from dpopt.data.samplers import PoissonSampler, Sampler, distinct_examples, take
 from dpopt.grad.engine import PerExampleEngine
 from dpopt.noise.correlated import CorrelatedNoise
 from dpopt.noise.gaussian import GaussianNoise
@@ -141,16 +141,22 @@ class DPOptimizer:
             raise ValueError(f"the physical batch size must be an integer >= 1, got {size}")
         self._physical = size
 
+    def verify(self, data: Any) -> None:
+        """Check once, before the first release, that the engine attributes every layer's gradient to the
+        right example, on 3 distinct examples of ``data`` that it picks itself (whatever the size of the
+        sampled batches). Reads them, releases nothing."""
+        self.engine.verify(distinct_examples(data, self.privatizer.sampler.dataset_size))
+        self.verified = True
+
     def step(self, data: Any) -> StepResult:
         """One private step on a batch that this step samples from ``data`` (a tensor or a pytree of
         tensors indexed along dimension 0, or a callable mapping an index tensor to a batch). The batch (the
         logical batch: one release, one ledger event) goes through the engine in physical batches of at most
         ``physical_batch_size`` examples whose clipped sums are added before the noise: the same release as
         one pass over the whole batch, with memory set by the physical batch."""
+        if not self.verified:
+            self.verify(data)
         index = self.privatizer.batch(self.steps)
-        if not self.verified and index.numel() > 0:
-            self.engine.verify(take(data, index[:8]))  # once: the engine attributes every layer's gradient correctly
-            self.verified = True
         sums, examples, nonfinite, losses = None, 0, 0, []
         for part in index.split(self.physical_batch_size or index.numel()) if index.numel() else ():
             grads = self.statistic(take(data, part))

@@ -12,7 +12,7 @@ import math
 from typing import Any, Protocol
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from dpopt.noise.rng import SecretStream
 from dpopt.privacy.ledger import FixedOrderParticipation, FixedParticipation, Participation, PoissonSampling
@@ -20,6 +20,7 @@ from dpopt.privacy.ledger import FixedOrderParticipation, FixedParticipation, Pa
 
 class Sampler(Protocol):
     participation: Participation
+    dataset_size: int
 
     @property
     def normalizer(self) -> float: ...
@@ -35,6 +36,28 @@ def take(data: Any, index: torch.Tensor) -> Any:
     if callable(data):
         return data(index)
     return tree_map(lambda t: t[index] if isinstance(t, torch.Tensor) else t, data)
+
+
+def distinct_examples(data: Any, dataset_size: int, count: int = 3, scan: int = 4096) -> Any:
+    """The first ``count`` pairwise-distinct examples of ``data`` (as ``take`` reads them; distinct as tensors)
+    among its first ``scan``, as one batch: what the engine's attribution check runs on. Refused when there
+    are fewer."""
+    chosen: list[int] = []
+    kept: list[list[torch.Tensor]] = []
+    end = min(scan, dataset_size)
+    for start in range(0, end, 256):
+        index = torch.arange(start, min(start + 256, end))
+        leaves = [t for t in tree_flatten(take(data, index))[0]
+                  if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == len(index)]
+        for k in range(len(index)):
+            example = [t[k] for t in leaves]
+            if all(not all(torch.equal(a, b) for a, b in zip(example, other)) for other in kept):
+                chosen.append(start + k)
+                kept.append(example)
+                if len(chosen) == count:
+                    return take(data, torch.tensor(chosen))
+    raise ValueError(f"the first {end} examples of the dataset hold {len(chosen)} distinct examples; the per-example "
+                     f"engine is verified on {count} distinct examples before anything is released")
 
 
 class PoissonSampler:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Collection, Iterable, Sequence
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from dpopt.clipping import PerExampleStatistic
@@ -70,10 +71,17 @@ class _Unit:
         self.params = params  # attribute name (rule) or relative name (fallback) -> parameter index
 
 
+def _slots(module: nn.Module, index: dict[int, int]) -> dict[str, int]:
+    """Name (relative to ``module``) -> index of each trainable parameter registered in its subtree, visiting
+    every module once."""
+    return {f"{m}.{n}" if m else n: index[id(p)] for m, sub in module.named_modules()
+            for n, p in sub._parameters.items() if p is not None and id(p) in index}
+
+
 def _check_example_major(unit: _Unit, x: torch.Tensor, b: int) -> None:
     """A token-wise layer fed B*k rows (tokens flattened, as OPT's MLP does) is regrouped as [B, k, ...],
-    i.e. example-major, the layout of a flattened batch-first tensor. ``PerExampleEngine.verify`` (run on
-    the first batch of every DPOptimizer) catches a model whose rows are laid out otherwise."""
+    i.e. example-major, the layout of a flattened batch-first tensor. ``PerExampleEngine.verify`` (run by
+    every DPOptimizer before its first release) catches a model whose rows are laid out otherwise."""
     if unit.rule not in TOKENWISE or x.shape[0] % b:
         raise ValueError(f"layer {unit.name!r} ({type(unit.module).__name__}) received {x.shape[0]} rows for a "
                          f"batch of {b} examples and they cannot be attributed to examples; keep the batch as "
@@ -297,8 +305,12 @@ class PerExampleEngine:
         self.params = [p for _, p in named]
         self._wrapper = _LossModule(model, loss_fn)
         self._index = {id(p): i for i, p in enumerate(self.params)}
+        # Every place a parameter is registered, each module once (a module registered under two names is
+        # one place), for ``functional_call`` without its weight tying, which would restore such a module's
+        # parameter to the substituted tensor.
+        self._slots = {"model." + n: i for n, i in _slots(model, self._index).items()}
         self.units: list[_Unit] = []
-        self._collect_units(model)
+        self._collect_units(model, "", set())
         self.groups = self._layer_groups()
         # An optional projection of per-example gradients (DP-GRAPE), applied to each capture in backprop:
         # any object with ``sides`` (projected parameter indices), ``shape(i)`` and ``project(i, capture)``.
@@ -311,19 +323,26 @@ class PerExampleEngine:
         return [proj.shape(i) if proj is not None and i in proj.sides else p.shape for i, p in enumerate(self.params)]
 
     # --- structure ---------------------------------------------------------------------------------
-    def _collect_units(self, module: nn.Module, name: str = "") -> None:
+    def _collect_units(self, module: nn.Module, name: str, seen: set[int]) -> None:
+        """One unit per module with trainable parameters of its own, each module once however often it is
+        registered; a module without a rule takes its whole subtree."""
+        if id(module) in seen:
+            return
+        seen.add(id(module))
         direct = {n: self._index[id(p)] for n, p in module._parameters.items()
                   if p is not None and id(p) in self._index}
         if direct:
             rule = rule_for(module)
             if rule is None:  # generic: the whole subtree, which may use its children's parameters directly
-                below = {n: self._index[id(p)] for n, p in module.named_parameters(remove_duplicate=False)
-                         if id(p) in self._index}
-                self.units.append(_Unit(name, module, None, below))
+                self.units.append(_Unit(name, module, None, _slots(module, self._index)))
                 return
             self.units.append(_Unit(name, module, rule, direct))
         for child_name, child in module.named_children():
-            self._collect_units(child, f"{name}.{child_name}" if name else child_name)
+            self._collect_units(child, f"{name}.{child_name}" if name else child_name, seen)
+
+    def _layers(self, j: int) -> str:
+        """The units that capture parameter ``j``, for error messages."""
+        return ", ".join(f"layer {u.name!r} ({type(u.module).__name__})" for u in self.units if j in u.params.values())
 
     def _layer_groups(self) -> list[int]:
         """Group id of each parameter for per-layer clipping: the module that owns it."""
@@ -340,40 +359,85 @@ class PerExampleEngine:
                     "(dpopt.models.freeze_batchnorm(model)).")
 
     def verify(self, batch: Any, examples: int = 3, rtol: float = 1e-3) -> None:
-        """Refuse a model or loss that mixes examples (``check_per_example``), then compare the engine's
-        per-example gradients on the first ``examples`` examples of ``batch`` with one autograd backward per
-        example (in eval mode, so dropout cannot differ). A mismatch means some layer's gradient was
-        attributed to the wrong example, which would void the clipping bound."""
-        b = min(examples, batch_size_of(batch))
-        leaves, spec = tree_flatten(batch)
+        """Refuse a model or loss that mixes examples (``check_per_example``) or uses a parameter where no
+        hook sees it (``_check_uses``), then compare the engine's per-example gradients on the first
+        ``examples`` (at least 3) examples of ``batch`` with one autograd backward per example (in eval mode,
+        so dropout cannot differ). A mismatch means some layer's gradient was attributed to the wrong
+        example, which would void the clipping bound. Reads the batch, releases nothing."""
         size = batch_size_of(batch)
+        if not 3 <= examples <= size:
+            raise ValueError(f"attribution is verified on at least 3 examples, and the batch holds {size} "
+                             f"for {examples} to compare")
+        leaves, spec = tree_flatten(batch)
         pick = lambda idx: tree_unflatten([t[idx] if isinstance(t, torch.Tensor) and t.dim() > 0  # noqa: E731
                                            and t.shape[0] == size else t for t in leaves], spec)
-        check_per_example(self.model, self.loss_fn, pick(slice(0, min(8, size))))  # no example moves another
+        check_per_example(self.model, self.loss_fn, pick(slice(0, max(examples, min(8, size)))))
         was_training, projection = self.model.training, self.projection
         self.model.eval()
         self.projection = None  # attribution is checked on the unprojected gradients
         try:
-            got = self.gradients(pick(slice(0, b))).materialize()
-            for i in range(b):
+            if self.mode == "hooks":
+                self._check_uses(pick(slice(0, examples)))
+            got = self.gradients(pick(slice(0, examples))).materialize()
+            for i in range(examples):
                 grads = torch.autograd.grad(self.loss_fn(self.model, pick(slice(i, i + 1))).sum(), self.params,
                                             allow_unused=True)
-                ref = torch.cat([(torch.zeros_like(p) if g is None else g).flatten() for p, g in zip(self.params, grads)])
-                if not torch.isfinite(ref).all():  # a non-finite example: the clip stage gives it weight 0
+                ref = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)]
+                if not all(torch.isfinite(r).all() for r in ref):  # non-finite: the clip stage gives it weight 0
                     continue
-                mine = torch.cat([m[i].flatten() for m in got])
-                err = float((mine - ref).norm())
-                if not err <= rtol * float(ref.norm()) + 1e-6:
-                    worst = max(range(len(self.params)), key=lambda j: float(
-                        (got[j][i] - (torch.zeros_like(self.params[j]) if grads[j] is None else grads[j])).norm()))
+                total = float(torch.cat([r.flatten() for r in ref]).norm())
+                errors = [float((g[i] - r).norm()) for g, r in zip(got, ref)]
+                if not sum(e * e for e in errors) ** 0.5 <= rtol * total + 1e-6:
+                    j = max(range(len(errors)), key=errors.__getitem__)
                     raise ExampleMixingError(
-                        f"per-example gradients do not match single-example backward passes (relative error "
-                        f"{err / max(float(ref.norm()), 1e-12):.2e}, worst at {self.names[worst]!r}): this model "
-                        "routes one example's computation through another's batch slot in a way the engine "
-                        "cannot attribute. Use mode='vmap' or keep every layer's batch dimension first.")
+                        f"the per-example gradients of {self._layers(j)} do not match single-example backward "
+                        f"passes (parameter {self.names[j]!r}, relative error {errors[j] / max(total, 1e-12):.2e}): "
+                        "this layer's batch dimension is not dimension 0 of its input (sequence-first inputs, "
+                        "rows in sequence-major order, a table shared by the batch such as wpe(torch.arange(T)) "
+                        "or a [1, T, d] buffer), so its gradient cannot be attributed to examples. Keep every "
+                        "layer's batch dimension first, or use mode='vmap'.")
         finally:
             self.model.train(was_training)
             self.projection = projection
+
+    @torch.no_grad()
+    def _check_uses(self, batch: Any) -> None:
+        """Refuse a parameter that an operation uses outside the forward of every layer capturing it (weight
+        tying written as ``F.linear(h, self.emb.weight)``): the hooks would miss that use of it."""
+        owners = {id(p): {id(u.module) for u in self.units if i in u.params.values()}
+                  for i, p in enumerate(self.params)}
+        running: list[tuple[str, nn.Module]] = []
+        engine = self
+
+        class Uses(TorchFunctionMode):
+            def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+                out = func(*args, **(kwargs or {}))
+                if any(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]):
+                    for t in tree_flatten((args, kwargs))[0]:
+                        mods = owners.get(id(t))
+                        if mods is not None and not any(id(m) in mods for _, m in running):
+                            j = engine._index[id(t)]
+                            user = (f"layer {running[-1][0] or '<root>'!r} ({type(running[-1][1]).__name__})"
+                                    if running else "the loss function")
+                            raise ExampleMixingError(
+                                f"{user} uses parameter {engine.names[j]!r} of {engine._layers(j)} outside that "
+                                "layer's forward, where the engine's hooks cannot see it (weight tying written as "
+                                "F.linear(h, self.emb.weight), say). Share the parameter with a layer instead "
+                                "(head.weight = emb.weight, then call head), or use mode='vmap'.")
+                return out
+
+        def leave(*_: Any) -> None:
+            running.pop()
+
+        handles = [h for name, m in self.model.named_modules()
+                   for h in (m.register_forward_pre_hook(lambda m, a, name=name: running.append((name, m))),
+                             m.register_forward_hook(leave))]
+        try:
+            with Uses():
+                self.loss_fn(self.model, batch)
+        finally:
+            for h in handles:
+                h.remove()
 
     # --- evaluation --------------------------------------------------------------------------------
     def gradients(self, batch: Any, at: Sequence[torch.Tensor] | None = None) -> PerExampleGradients:
@@ -384,10 +448,11 @@ class PerExampleEngine:
         values = self.params if at is None else list(at)
         if len(values) != len(self.params):
             raise ValueError(f"`at` needs {len(self.params)} tensors, got {len(values)}")
-        point = {"model." + n: v.detach() for n, v in zip(self.names, values)}
+        detached = [v.detach() for v in values]
+        point = {n: detached[i] for n, i in self._slots.items()}
         if self.mode == "vmap":
             return self._vmap_gradients(batch, b, point)
-        return self._hook_gradients(batch, b, point)
+        return self._hook_gradients(batch, b, point, detached)
 
     def _check_losses(self, losses: Any, b: int) -> torch.Tensor:
         if not isinstance(losses, torch.Tensor) or losses.shape != (b,):
@@ -398,10 +463,13 @@ class PerExampleEngine:
 
     def _vmap_gradients(self, batch: Any, b: int, point: dict[str, torch.Tensor]) -> PerExampleGradients:
         with torch.no_grad():
-            losses = self._check_losses(functional_call(self._wrapper, point, (batch,)), b)
-        per_example = loss_gradients(lambda p, x: functional_call(self._wrapper, p, (x,)), point, batch, b)
-        terms = [[(1.0, self._project(i, Dense(per_example["model." + n], p.shape)))]
-                 for i, (n, p) in enumerate(zip(self.names, self.params))]
+            losses = self._check_losses(functional_call(self._wrapper, point, (batch,), tie_weights=False), b)
+        per_example = loss_gradients(lambda p, x: functional_call(self._wrapper, p, (x,), tie_weights=False),
+                                     point, batch, b)
+        summed: list[torch.Tensor | None] = [None] * len(self.params)
+        for n, i in self._slots.items():  # a parameter registered in several modules: the sum of its uses
+            summed[i] = per_example[n] if summed[i] is None else summed[i] + per_example[n]
+        terms = [[(1.0, self._project(i, Dense(g, p.shape)))] for i, (g, p) in enumerate(zip(summed, self.params))]
         return PerExampleGradients(self, b, terms, losses)
 
     def _project(self, i: int, c: Capture) -> Capture:
@@ -415,10 +483,12 @@ class PerExampleEngine:
             return Dense(c.materialize(), c.shape)
         return c
 
-    def _hook_gradients(self, batch: Any, b: int, point: dict[str, torch.Tensor]) -> PerExampleGradients:
+    def _hook_gradients(self, batch: Any, b: int, point: dict[str, torch.Tensor],
+                        detached: list[torch.Tensor]) -> PerExampleGradients:
         terms: list[list[tuple[float, Capture]]] = [[] for _ in self.params]
         sink = torch.zeros((), requires_grad=True)
         sink_used = False
+        inside = 0  # fallback forwards running: torch.func recomputes every call made within them
         calls: list[tuple[_Unit, tuple, dict, list[torch.Tensor], list[torch.Tensor | None]]] = []
 
         def attach(t: torch.Tensor) -> torch.Tensor:
@@ -431,7 +501,9 @@ class PerExampleEngine:
         def rule_hook(unit: _Unit):
             wanted = set(unit.params)
 
-            def hook(module: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+            def hook(module: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor | None:
+                if inside:
+                    return None
                 arg = args[0] if args else next(iter(kwargs.values()))
                 x, version = arg.detach(), arg._version
                 out = attach(out)
@@ -454,8 +526,16 @@ class PerExampleEngine:
 
             return hook
 
+        def enter(module: nn.Module, args: tuple) -> None:
+            nonlocal inside
+            inside += 1
+
         def fallback_hook(unit: _Unit):
             def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+                nonlocal inside
+                inside -= 1
+                if inside:
+                    return None
                 leaves, spec = tree_flatten(out)
                 floats = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point()]
                 grads: list[torch.Tensor | None] = [None] * len(floats)
@@ -476,9 +556,10 @@ class PerExampleEngine:
 
         handles = [u.module.register_forward_hook(rule_hook(u) if u.rule else fallback_hook(u), with_kwargs=True)
                    for u in self.units]
+        handles += [u.module.register_forward_pre_hook(enter) for u in self.units if u.rule is None]
         try:
             with torch.enable_grad():
-                losses = self._check_losses(functional_call(self._wrapper, point, (batch,)), b)
+                losses = self._check_losses(functional_call(self._wrapper, point, (batch,), tie_weights=False), b)
         finally:
             for h in handles:
                 h.remove()
@@ -487,8 +568,17 @@ class PerExampleEngine:
                              "(or the batch holds tensors that require grad, which is not supported)")
         torch.autograd.grad(losses.sum(), [sink])
         for unit, args, kwargs, outs, grads in calls:
-            cot = [torch.zeros_like(o) if g is None else g for o, g in zip(outs, grads)]
-            sub = {n: point["model." + self.names[i]] for n, i in unit.params.items()}
+            cot = {k: g for k, g in enumerate(grads) if g is not None}  # the outputs the loss depends on
+            for k, g in cot.items():
+                if g.dim() == 0 or g.shape[0] != b:
+                    raise ValueError(
+                        f"layer {unit.name!r} ({type(unit.module).__name__}) is differentiated per example with "
+                        f"torch.func, and its output {k} has shape {tuple(g.shape)}, whose dimension 0 is not the "
+                        f"batch of {b} examples, so it cannot be attributed to examples; keep the batch as "
+                        "dimension 0 of its inputs and outputs (batch_first=True), or use mode='vmap'")
+            if not cot:
+                continue
+            sub = {n: detached[i] for n, i in unit.params.items()}
             per_example = module_gradients(unit.module, sub, args, kwargs, cot, b)
             for n, i in unit.params.items():
                 terms[i].append((1.0, Dense(per_example[n], self.params[i].shape)))
@@ -503,7 +593,7 @@ def check_per_example(model: nn.Module, loss_fn: LossFn, batch: Any) -> None:
     examples changed is named; if none did, the loss itself mixes the examples."""
     b = batch_size_of(batch)
     if b < 3:
-        return
+        raise ValueError(f"checking that examples do not mix needs at least 3 examples, got {b}")
     leaves, spec = tree_flatten(batch)
     swapped = tree_unflatten([torch.cat([t[1:2], t[1:]]) if isinstance(t, torch.Tensor) and t.dim() > 0
                               and t.shape[0] == b else t for t in leaves], spec)

@@ -35,19 +35,21 @@ def float_leaves(tree: Any) -> list[torch.Tensor]:
 
 
 def module_gradients(module: nn.Module, params: dict[str, torch.Tensor], args: tuple, kwargs: dict,
-                     cotangents: list[torch.Tensor], batch_size: int) -> dict[str, torch.Tensor]:
-    """Per-example vector-Jacobian products of ``module``'s floating outputs with ``cotangents``,
-    with respect to ``params`` (names relative to ``module``): {name: [B, *shape]}."""
+                     cotangents: dict[int, torch.Tensor], batch_size: int) -> dict[str, torch.Tensor]:
+    """Per-example vector-Jacobian products of ``module``'s floating outputs with ``cotangents`` (by the
+    output's position among them; the others do not reach the loss), with respect to ``params`` (every
+    place a parameter is registered, names relative to ``module``): {name: [B, *shape]}."""
     dims = batch_dims((args, kwargs), batch_size)
 
-    def one(p: dict[str, torch.Tensor], inputs: tuple, cot: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def one(p: dict[str, torch.Tensor], inputs: tuple, cot: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
         a, kw = _unsqueeze(inputs, dims)
 
         def outputs(q: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-            return float_leaves(functional_call(module, q, a, kw))
+            leaves = float_leaves(functional_call(module, q, a, kw, tie_weights=False))
+            return [leaves[k] for k in cot]
 
         _, pullback = vjp(outputs, p)
-        return pullback([c.unsqueeze(0) for c in cot])[0]
+        return pullback([c.unsqueeze(0) for c in cot.values()])[0]
 
     return vmap(one, in_dims=(None, dims, 0), randomness="different")(params, (args, kwargs), cotangents)
 

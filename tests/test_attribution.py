@@ -1,0 +1,205 @@
+"""Issue 20: model layouts whose gradients hooks would attribute to the wrong example are computed
+correctly or refused naming the layer, and no private release happens before attribution is verified on 3
+distinct examples, whatever the size of the first sampled batch."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
+from dpopt.clipping import Clipping
+from dpopt.data.samplers import PoissonSampler, distinct_examples
+from dpopt.grad import ExampleMixingError, PerExampleEngine, check_per_example
+from dpopt.noise.gaussian import GaussianNoise
+from dpopt.noise.rng import SecretStream
+from dpopt.privacy import PrivacyLedger
+from helpers import mlp_loss
+
+D, V = 4, 7
+
+
+class Positions(nn.Module):
+    """nanoGPT: a position table looked up with torch.arange(T), shared by the batch."""
+
+    def __init__(self, t: int) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.head = nn.Embedding(V, D), nn.Embedding(t, D), nn.Linear(D, 2)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.wte(ids) + self.wpe(torch.arange(ids.shape[1])))).mean(1)
+
+
+class SequenceFirst(nn.Module):
+    """``layer`` on [T, B, d]; ``rows``: a Linear on [T*B, d] rows in sequence-major order instead."""
+
+    def __init__(self, layer: str) -> None:
+        super().__init__()
+        self.layer = layer
+        self.seq = {"linear": nn.Linear(D, D), "rows": nn.Linear(D, D), "attention": nn.MultiheadAttention(D, 2),
+                    "lstm": nn.LSTM(D, D)}[layer]
+        self.head = nn.Linear(D, 2)
+
+    def forward(self, x):
+        h = x.transpose(0, 1)
+        if self.layer == "rows":
+            h = self.seq(h.reshape(-1, D)).reshape(h.shape)
+        elif self.layer == "attention":
+            h = self.seq(h, h, h)[0]
+        else:
+            h = self.seq(h)[0] if self.layer == "lstm" else self.seq(h)
+        return self.head(torch.tanh(h).mean(0))
+
+
+class SharedBuffer(nn.Module):
+    """A Linear fed a [1, T, d] buffer, of whose output [0] is added to every example."""
+
+    def __init__(self, t: int) -> None:
+        super().__init__()
+        self.pos, self.head = nn.Linear(D, D), nn.Linear(D, 2)
+        self.register_buffer("table", torch.randn(1, t, D))
+
+    def forward(self, x):
+        return self.head(torch.tanh(x + self.pos(self.table)[0])).mean(1)
+
+
+class HandTied(nn.Module):
+    """Weight tying written by hand: the embedding table used through F.linear by a parameterless parent."""
+
+    def __init__(self, t: int) -> None:
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(V, D), nn.Linear(D, D)
+
+    def forward(self, ids):
+        return F.linear(torch.tanh(self.lin(self.emb(ids))), self.emb.weight).mean(1)[:, :2]
+
+
+class Scaled(nn.Module):
+    """No layer rule (torch.func fallback), calling a Linear that is registered at the root as well."""
+
+    def __init__(self, lin: nn.Linear) -> None:
+        super().__init__()
+        self.lin, self.scale = lin, nn.Parameter(torch.randn(D))
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x) * self.scale)
+
+
+class RegisteredTwice(nn.Module):
+    def __init__(self, t: int) -> None:
+        super().__init__()
+        lin = nn.Linear(D, D)
+        self.inner, self.lin, self.head = Scaled(lin), lin, nn.Linear(D, 2)
+
+    def forward(self, x):
+        return self.head(self.inner(x) + self.lin(x)).mean(1)
+
+
+def data(model: nn.Module, n: int, t: int):
+    x = torch.randint(0, V, (n, t)) if isinstance(model, (Positions, HandTied)) else torch.randn(n, t, D)
+    return x, torch.randint(0, 2, (n,))
+
+
+# (model, T, the error the engine's check gives); T is a multiple of 3 where a multiple of the batch size
+# would let hooks regroup the rows silently
+REFUSED = {
+    "wpe(arange(T))": (lambda: Positions(6), 6, r"layer 'wpe' \(Embedding\) do not match"),
+    "Linear on [T, B, d]": (lambda: SequenceFirst("linear"), 6, r"layer 'seq' \(Linear\) do not match"),
+    "Linear on [T*B, d] rows": (lambda: SequenceFirst("rows"), 6, r"layer 'seq' \(Linear\) do not match"),
+    "MultiheadAttention on [T, B, d]": (lambda: SequenceFirst("attention"), 6,
+                                        r"layer 'seq' \(MultiheadAttention\) .* dimension 0 is not the batch"),
+    "LSTM on [T, B, d]": (lambda: SequenceFirst("lstm"), 5, r"layer 'seq' \(LSTM\) .* dimension 0 is not the batch"),
+    "MultiheadAttention on [T, B, d], T = B": (lambda: SequenceFirst("attention"), 3,
+                                               r"layer 'seq' \(MultiheadAttention\) do not match"),
+    "LSTM on [T, B, d], T = B": (lambda: SequenceFirst("lstm"), 3, r"layer 'seq' \(LSTM\) do not match"),
+    "[1, T, d] buffer, output[0]": (lambda: SharedBuffer(6), 6, r"layer 'pos' \(Linear\) do not match"),
+    "F.linear(h, self.emb.weight)": (lambda: HandTied(6), 6,
+                                     r"layer '<root>' \(HandTied\) uses parameter 'emb.weight' of layer 'emb' "
+                                     r"\(Embedding\) outside that layer's forward"),
+}
+
+
+@pytest.mark.parametrize("layout", REFUSED)
+def test_a_layout_hooks_cannot_attribute_is_refused_naming_the_layer(layout):
+    build, t, error = REFUSED[layout]
+    torch.manual_seed(0)
+    model = build()
+    batch = data(model, 3, t)
+    with pytest.raises((ExampleMixingError, ValueError), match=error):
+        PerExampleEngine(model, mlp_loss).verify(batch)
+    PerExampleEngine(model, mlp_loss, "vmap").verify(batch)  # the fix the error suggests
+
+
+def test_a_torch_func_module_whose_output_is_not_batch_first_is_refused_on_every_call():
+    model = SequenceFirst("lstm")
+    with pytest.raises(ValueError, match=r"layer 'seq' \(LSTM\) .* output 0 has shape \(5, 2, 4\)"):
+        PerExampleEngine(model, mlp_loss).gradients(data(model, 2, 5))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "vmap"])
+def test_a_linear_inside_a_torch_func_module_and_at_the_root_is_counted_once_and_left_trainable(mode):
+    torch.manual_seed(0)
+    model, batch = RegisteredTwice(5), data(RegisteredTwice(5), 4, 5)
+    got = PerExampleEngine(model, mlp_loss, mode).gradients(batch).materialize()
+    assert all(p.requires_grad and isinstance(p, nn.Parameter) for p in model.parameters())
+    assert model.lin.weight is model.inner.lin.weight
+    params = list(model.parameters())
+    ref = [torch.stack(g) for g in zip(*(torch.autograd.grad(mlp_loss(model, (batch[0][k:k + 1], batch[1][k:k + 1]))
+                                                            .sum(), params) for k in range(4)))]
+    for name, a, b in zip(PerExampleEngine(model, mlp_loss).names, got, ref):
+        assert torch.allclose(a, b, atol=1e-6), name
+    PerExampleEngine(model, mlp_loss).verify(data(model, 3, 5))
+
+
+def privately_trained(model: nn.Module, t: int, seed: int):
+    """A DP-SGD optimizer on 12 examples whose first Poisson batch (seed 0: 1 example, 1: 2) is too small for
+    the old first-batch check."""
+    sampler = PoissonSampler(12, 0.1, SecretStream(seed, "sampling"))
+    assert 0 < len(sampler.batch(0)) < 3
+    privatizer = Privatizer(Clipping(1.0), GaussianNoise(1.0, 1.0, SecretStream(0, "noise")), sampler,
+                            PrivacyLedger())
+    return build_algorithm("dp-sgd", PerExampleEngine(model, mlp_loss), privatizer, Hyperparameters(lr=0.1)), \
+        data(model, 12, t)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("layout", REFUSED)
+def test_no_release_before_attribution_is_verified_whatever_the_first_batch(layout, seed):
+    """The probe: each layout trained through DPOptimizer with a first Poisson batch of 1 or 2 examples."""
+    build, t, error = REFUSED[layout]
+    torch.manual_seed(0)
+    model = build()
+    opt, dataset = privately_trained(model, t, seed)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises((ExampleMixingError, ValueError), match=error):
+        opt.step(dataset)
+    assert opt.privatizer.ledger.steps == 0 and not opt.verified
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_a_correct_model_is_verified_on_three_examples_of_its_own_choosing_then_trains():
+    model = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, 2))
+    opt, (x, y) = privately_trained(model, 1, 0)
+    x = x.squeeze(1)
+    x[1:4], y[1:4] = x[0], y[0]  # duplicates are skipped: verified on examples 0, 4, 5
+    assert torch.equal(distinct_examples((x, y), 12)[0], x[[0, 4, 5]])
+    opt.step((x, y))
+    assert opt.verified and opt.privatizer.ledger.steps == 1
+
+
+def test_fewer_than_three_distinct_examples_are_refused_before_any_release():
+    model = nn.Sequential(nn.Linear(D, 2))
+    opt, (x, y) = privately_trained(model, 1, 0)
+    x, y = x.squeeze(1), torch.zeros_like(y)
+    x[2:] = x[1]
+    with pytest.raises(ValueError, match="the first 12 examples of the dataset hold 2 distinct examples"):
+        opt.step((x, y))
+    assert opt.privatizer.ledger.steps == 0
+
+
+def test_checks_on_fewer_than_three_examples_refuse_instead_of_passing():
+    model, batch = nn.Linear(D, 2), (torch.randn(2, D), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="needs at least 3 examples, got 2"):
+        check_per_example(model, mlp_loss, batch)
+    with pytest.raises(ValueError, match="at least 3 examples, and the batch holds 2"):
+        PerExampleEngine(model, mlp_loss).verify(batch)
