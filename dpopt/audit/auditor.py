@@ -157,7 +157,8 @@ def audit(algorithm: str, spec: AuditSpec | None = None) -> AuditResult:
 
 def poisson_privatizer(spec: AuditSpec, dataset_size: int) -> Privatizer:
     """Stages 3-4 and the ledger, built as ``dpopt.train.build_run`` builds them: Poisson sampling, noise
-    calibrated to the spec's budget, flat clipping, secret streams keyed by fresh OS entropy or the spec's secret seed."""
+    calibrated to the spec's budget, flat clipping, secret streams keyed by fresh OS entropy (or the spec's
+    secret seed)."""
     key = secret_key(spec.secret_seed)
     sampler = PoissonSampler(dataset_size, spec.sample_rate, SecretStream(key, "sampling"))
     z = _calibrated(spec.epsilon, spec.delta, sampler.participation, spec.steps)

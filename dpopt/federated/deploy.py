@@ -5,7 +5,8 @@ The app bundle is written to ``DIR/flower-app`` (a ``pyproject.toml`` naming ``d
 ``server_app`` and ``client_app``, with the run's config); the Flower CLI's connection file to
 ``DIR/flower-home``; every process logs to ``DIR/flower-logs``. Each SuperNode gets
 ``partition-id``/``num-partitions`` and, if the run has one, the clients' ``secret-seed`` in its own node
-config: the server never sees it (without one, each client draws its own key from OS entropy). The processes are stopped when the run ends or fails.
+config: the server never sees it (without one, each client draws its own key from OS entropy). The
+processes are stopped when the run ends or fails.
 """
 
 from __future__ import annotations

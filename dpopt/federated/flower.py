@@ -12,8 +12,8 @@ holds), while the client's ledger still counts the message, which did leave the 
 
 Clients are identified by ``partition-id`` from their node config; a SuperNode may also hold a
 ``secret-seed`` there (replayable noise, for reproductions), which never reaches the server; without it
-each client process draws its own key from OS entropy, which nothing stores. Flower's own DP mods are not stacked on top: they clip and noise model updates, a different
-mechanism (spec §9).
+each client process draws its own key from OS entropy, which nothing stores. Flower's own DP mods are not
+stacked on top: they clip and noise model updates, a different mechanism (spec §9).
 """
 
 from __future__ import annotations
