@@ -142,6 +142,8 @@ def test_secure_mode_runs_and_is_not_reproducible():
     b = train(cfg, progress=False, log=quiet)
     assert a["epsilon"] == b["epsilon"] <= 2.0
     assert a["history"][0]["train_loss"] != b["history"][0]["train_loss"]
+    with pytest.raises(ValueError, match="takes no --secret-seed"):
+        TrainConfig(epochs=1, epsilon=2.0, secure=True, secret_seed=1).validate()
 
 
 def test_mnist_loads_from_the_shared_folder():
