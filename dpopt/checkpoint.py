@@ -3,7 +3,7 @@
 A checkpoint is written to a temporary file in the same folder, flushed to disk, and renamed over the
 old one (an atomic replace on POSIX), so a crash at any instant leaves either the old or the new
 checkpoint; a temporary file left by a killed writer is removed by the next write. The same holds for
-``write_atomic`` (metrics.json). A checkpoint holds the run's secret seed: it is for resuming, not for
+``write_atomic`` (metrics.json). A checkpoint holds the run's secret key: it is for resuming, not for
 publishing.
 """
 

@@ -61,8 +61,15 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
         else:
             p.add_argument(flag, type=type(default), default=default, help=f.metadata["help"])
-    p.add_argument("--seed", type=int, default=d.seed, help="public seed; the secret noise seed is derived from it")
-    p.add_argument("--secure", action="store_true", help="draw noise and batches from OS entropy (not reproducible)")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="public seed: initialisation, projections, directions, dropout (never the noise)")
+    secret = p.add_mutually_exclusive_group()
+    secret.add_argument("--secret-seed", type=int, metavar="N",
+                        help="REPLAYABLE noise and batches, for reproductions and tests: anyone who knows N can "
+                             "remove the noise (default: a secret key from OS entropy, kept only in the checkpoint)")
+    secret.add_argument("--secure", action="store_true",
+                        help="draw every secret number from OS entropy and store no key, not even in the "
+                             "checkpoint (a resumed run continues with fresh randomness)")
     p.add_argument("--sampling", default=d.sampling, choices=["auto", *SAMPLINGS],
                    help="poisson (amplified accounting) or shuffle/fixed (accounted without amplification); "
                    "auto: poisson for gaussian noise, fixed for correlated noise")

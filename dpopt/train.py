@@ -1,8 +1,10 @@
 """The training loop: a private run from a config, with progress, evaluation, checkpoints and resume.
 
-A run is a function of its config: the public seed drives initialisation, the secret streams (derived
-from the same seed under a secret label, or OS entropy in secure mode) drive sampling and noise, both
-counter-based, so ``resume`` continues a run to exactly the parameters and epsilon of an uninterrupted one.
+A run is a function of its config and its secret key: the public seed drives initialisation, the secret
+streams (keyed by 256 bits of OS entropy drawn at the start of the run, or by an explicit ``secret_seed``
+for replayable noise; per-draw OS entropy in secure mode) drive sampling and noise, both counter-based. The
+key is kept only in the checkpoint (private), so ``resume`` continues a run to exactly the parameters and
+epsilon of an uninterrupted one; metrics.json and the exported model (``OUT/model``) never hold it.
 A checkpoint is written at the end of every epoch and, with ``checkpoint_every = N``, after every N-th
 step within an epoch, with the epoch's partial statistics, so a run killed at any instant loses at most N
 steps and its resumed history (losses, evaluations) is the uninterrupted run's. With ``parallel`` (see
@@ -39,7 +41,7 @@ from dpopt.models import MODELS, build_model
 from dpopt.noise.correlated import CorrelatedNoise
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.mechanisms import NOISES, build_noise
-from dpopt.noise.rng import SecretStream, derive_seed
+from dpopt.noise.rng import SecretStream, derive_seed, secret_key
 from dpopt.privacy import (PoissonSampling, PrivacyLedger, Relation, advanced_composition_noise, check_budget,
                            noise_multiplier_for)
 from dpopt.privacy.ledger import ACCOUNTANTS
@@ -61,8 +63,9 @@ class TrainConfig:
     batch_size: int = 128
     clip: float = 1.0
     clipping: str = "flat"
-    seed: int = 0
-    secure: bool = False
+    seed: int = 0  # public: initialisation, projections, directions, dropout; never the secret streams
+    secret_seed: int | None = None  # replayable noise (reproductions, tests); None: a fresh OS-entropy key
+    secure: bool = False  # every secret draw from OS entropy, no key stored anywhere (resume is not exact)
     sampling: str = "auto"  # poisson for iid noise, fixed for correlated noise
     noise: str = "auto"  # the recipe's mechanism (DEFAULT_NOISE)
     accountant: str = "pld"
@@ -96,6 +99,9 @@ class TrainConfig:
             raise ValueError(f"delta must lie in (0, 1), got {self.delta}")
         if self.epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {self.epochs}")
+        if self.secure and self.secret_seed is not None:
+            raise ValueError("--secure draws every secret number from OS entropy and takes no --secret-seed "
+                             "(replayable noise); give one or the other")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0 steps (0: at the end of each epoch only), "
                              f"got {self.checkpoint_every}")
@@ -122,8 +128,17 @@ class TrainConfig:
             return self.sampling
         return "poisson" if self.noise_kind == "gaussian" else "fixed"
 
+    @property
+    def randomness(self) -> str:
+        """How the secret streams are keyed: ``os-entropy-key``, ``secret-seed`` (replayable) or ``secure``."""
+        return "secure" if self.secure else "os-entropy-key" if self.secret_seed is None else "secret-seed"
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def public_dict(self) -> dict[str, Any]:
+        """``to_dict`` without the secret seed: what metrics.json shows."""
+        return {k: v for k, v in self.to_dict().items() if k != "secret_seed"}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
@@ -175,9 +190,12 @@ class Run:
     sampler: Any
     ledger: PrivacyLedger
     total_steps: int
+    secret_key: int | bytes | None  # private: the checkpoint holds it, nothing else may
 
 
-def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel: DataParallel | None = None) -> Run:
+def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel: DataParallel | None = None,
+              key: int | bytes | None = None) -> Run:
+    """The run of ``config``; ``key`` is its secret key when resuming (None: a new one, see ``secret_key``)."""
     config.validate()
     data = load_dataset(config.dataset, config.download)
     n = len(data)
@@ -192,15 +210,18 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel:
     engine.check_no_mixing()
     check_per_example(model, classification_loss, take(data.train, torch.arange(min(8, n))))
 
-    secret_seed = None if config.secure else config.seed
-    sampler = make_sampler(config.sampling_kind, n, config.batch_size, SecretStream(secret_seed, "sampling"))
+    if config.secure:
+        key = None
+    elif key is None:
+        key = secret_key(config.secret_seed)
+    sampler = make_sampler(config.sampling_kind, n, config.batch_size, SecretStream(key, "sampling"))
     total = config.epochs * sampler.steps_per_epoch
     clipping = Clipping(config.clip, config.clipping)
     ledger = PrivacyLedger(config.relation, config.accountant)
-    noise = build_run_noise(config, sampler, total, clipping.sensitivity, SecretStream(secret_seed, "noise"), log)
+    noise = build_run_noise(config, sampler, total, clipping.sensitivity, SecretStream(key, "noise"), log)
     privatizer = Privatizer(clipping, noise, sampler, ledger, parallel)
     optimizer = build_algorithm(config.algorithm, engine, privatizer, config.hp)
-    return Run(config, data, model, optimizer, sampler, ledger, total)
+    return Run(config, data, model, optimizer, sampler, ledger, total, key)
 
 
 def freeze_all_but(model: nn.Module, pattern: str) -> str:
@@ -252,8 +273,9 @@ def build_run_noise(config: TrainConfig, sampler: Sampler, total: int, clip: flo
 def _state(run: Run, history: list[dict[str, Any]], wall: float, cpu: float, epoch_losses: list[float],
            epoch_nonfinite: int) -> dict[str, Any]:
     """A checkpoint: model, optimizer, ledger, sampler and RNG state, and the current epoch's partial statistics.
-    The secret streams and the sampler are counter-based (their state is the config's seed, or OS entropy, plus
-    the next step); the public torch generator is re-seeded every step and is saved as well."""
+    The secret streams and the sampler are counter-based (their state is the run's secret key plus the next
+    step: the key makes the checkpoint private); the public torch generator is re-seeded every step and is
+    saved as well."""
     steps = run.optimizer.steps
     if run.ledger.steps != steps:
         raise RuntimeError(f"refusing to checkpoint: the ledger holds {run.ledger.steps} releases but the "
@@ -261,9 +283,19 @@ def _state(run: Run, history: list[dict[str, Any]], wall: float, cpu: float, epo
     return {"format": "dpopt-checkpoint-1", "config": run.config.to_dict(),
             "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
             "ledger": run.ledger.to_dict(), "step": steps, "sampler": sampler_state(run.sampler, steps),
-            "rng": {"torch": torch.get_rng_state(), "secret_next_step": steps, "secure": run.config.secure},
+            "rng": {"torch": torch.get_rng_state(), "secret_next_step": steps, "secure": run.config.secure,
+                    "secret_key": run.secret_key},
             "history": history, "wall_time_s": wall, "cpu_time_s": cpu,
             "epoch_losses": list(epoch_losses), "epoch_nonfinite": epoch_nonfinite}
+
+
+def _saved_key(state: dict[str, Any]) -> int | bytes | None:
+    """The secret key a checkpoint holds; refuses one written before keys were (its noise came from the
+    public seed), since resuming it with a new key would not continue the same run."""
+    if "secret_key" not in state.get("rng", {}):
+        raise CheckpointError("the checkpoint holds no secret key (an older dpopt wrote it and derived the noise "
+                              "from the public seed); start a new run")
+    return state["rng"]["secret_key"]
 
 
 def _restore(run: Run, state: dict[str, Any]) -> None:
@@ -296,7 +328,7 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
     ``parallel`` this process is one rank of a data-parallel run; only rank 0 logs and writes to ``out``."""
     if parallel is not None and not parallel.lead:
         out, progress, log = None, False, _silent
-    run = build_run(config, log, parallel)
+    run = build_run(config, log, parallel, None if _resume_state is None else _saved_key(_resume_state))
     history: list[dict[str, Any]] = []
     losses: list[float] = []  # this epoch's step losses
     epoch_nonfinite = 0
@@ -353,14 +385,29 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
                         else None),
         "accountant": config.accountant, "relation": config.relation, "nonfinite_examples": nonfinite,
         "wall_time_s": wall, "cpu_time_s": cpu, "threads": torch.get_num_threads(), "history": history, "ledger": run.ledger.to_dict(),
-        "config": config.to_dict(),
+        "secret_randomness": config.randomness, "config": config.public_dict(),
     }
-    statement = privacy_statement(run.ledger, config.delta, len(run.data), secure=config.secure)
+    statement = privacy_statement(run.ledger, config.delta, len(run.data), randomness=config.randomness)
     metrics["privacy_statement"] = statement
     if out is not None:
         write_atomic(Path(out, "metrics.json"), lambda f: f.write(json.dumps(metrics, indent=2).encode()))
+        export_model(run.model, Path(out, MODEL_DIR))
     log(statement)
     return metrics
+
+
+MODEL_DIR = "model"
+
+
+def export_model(model: nn.Module, folder: Path) -> Path:
+    """Write the trained model for publishing, with no secret in it: ``save_pretrained`` for a Hugging Face
+    model, else ``model.pt`` holding only the state_dict (parameters and buffers). Never the checkpoint,
+    which holds the secret key, the optimizer and the ledger."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(folder)
+        return folder
+    return write_atomic(folder / "model.pt", lambda f: torch.save(model.state_dict(), f))
 
 
 def resume(out: str | Path, progress: bool = True, log: Callable[[str], None] = print,

@@ -189,14 +189,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(ALGORITHMS))
     p.add_argument("--every", type=int, nargs="+", default=[1, 3, 5], help="--checkpoint-every values, cycled")
     p.add_argument("--epochs", type=int, default=6)
-    p.add_argument("--seed", type=int, default=0, help="seed of the kill instants (the runs use seed 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the kill instants (the runs use seed and secret seed 0)")
     p.add_argument("--work", default="runs/crash_safety", help="folder for the runs")
     p.add_argument("--out", default=str(ROOT / "experiments/results/reliability/crash_safety.json"))
     a = p.parse_args(argv)
     rng = random.Random(a.seed)
     work = Path(a.work).resolve()
     base = ["--dataset", "digits", "--model", "mlp", "--epochs", str(a.epochs), "--batch-size", "128",
-            "--epsilon", "2", "--seed", "0"]
+            "--epsilon", "2", "--seed", "0", "--secret-seed", "0"]  # replayable: each trial is the reference run
     trials = [(a.algorithms[i % len(a.algorithms)], a.every[i % len(a.every)]) for i in range(a.kills + a.write_kills)]
     references = {}
     for alg, every in sorted(set(trials), key=trials.index):  # one per configuration: its own timing

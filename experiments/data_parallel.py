@@ -1,4 +1,5 @@
-"""Data-parallel DP: W local gloo processes against one process at the same seeds, per recipe.
+"""Data-parallel DP: W local gloo processes against one process at the same seeds (and secret seed: the
+comparison needs replayable noise), per recipe.
 
 Each configuration is trained once in this process and once split over ``--nproc`` processes
 (``dpopt.distributed.launch``, as ``dpopt train --nproc``). Reported: the largest parameter difference
@@ -52,7 +53,7 @@ def _all(parallel: DataParallel, configs: dict[str, TrainConfig], work: Path) ->
 def crash_check(work: Path, nproc: int) -> dict:
     """Kill one worker of a CLI data-parallel run, resume it in parallel, compare with one process."""
     flags = ["--model", "logreg", "--epochs", "2", "--noise-multiplier", "1", "--algorithm", "dp-adam", "--lr",
-             "0.01", "--checkpoint-every", "2", "--no-progress"]
+             "0.01", "--checkpoint-every", "2", "--secret-seed", "0", "--no-progress"]
     cli = [sys.executable, "-m", "dpopt.cli", "train"]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     single, folder = work / "crash-single", work / "crash-parallel"
@@ -88,7 +89,8 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     work = Path(a.work).resolve()
-    configs = {n: TrainConfig(dataset="digits", model="mlp", epochs=a.epochs, epsilon=2.0, seed=0, **RECIPES[n])
+    configs = {n: TrainConfig(dataset="digits", model="mlp", epochs=a.epochs, epsilon=2.0, seed=0, secret_seed=0,
+                           **RECIPES[n])
                for n in a.recipes}
     launch(a.nproc, _all, configs, work)
     rows = []

@@ -57,7 +57,7 @@ def tune(a: argparse.Namespace, out: Path) -> dict[str, dict[str, float]]:
                 hp = dataclasses.replace(BASES[base], lr=lr)
                 config = TrainConfig(algorithm=f"dp-{base}", dataset=held_out, model="cnn", epsilon=a.tune_epsilon,
                                      delta=1e-5, epochs=a.epochs, batch_size=a.batch_size, clip=a.clip,
-                                     seed=TUNING_SEED, hp=hp)
+                                     seed=TUNING_SEED, secret_seed=TUNING_SEED, hp=hp)
                 m = train(config, progress=False, log=lambda s: None)
                 row = {"dataset": dataset, "base": base, "lr": lr, "epsilon": a.tune_epsilon,
                        "validation_accuracy": m["test_accuracy"]}
@@ -92,7 +92,7 @@ def variant(row: dict) -> tuple[float | None, float | None]:
 
 def summarize(out: Path) -> str:
     """Mean ± std over seeds; "DiSK ahead" counts the seeds in which DiSK beat its base (a paired comparison:
-    at one seed both see the same batches and the same noise draws)."""
+    at one seed both see the same batches and the same noise draws: the runs pass the seed as --secret-seed)."""
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     groups: dict[tuple, dict[int, float]] = {}
     for r in rows:
@@ -191,7 +191,7 @@ def main(argv: list[str]) -> int:
                             hp = hyperparameters(tuned, dataset, base, kappa, gamma)
                             config = TrainConfig(algorithm=algorithm, dataset=dataset, model="cnn", epsilon=eps,
                                                  delta=1e-5, epochs=a.epochs, batch_size=a.batch_size, clip=a.clip,
-                                                 seed=seed, hp=hp)
+                                                 seed=seed, secret_seed=seed, hp=hp)  # paired: same noise
                             m = train(config, progress=False, log=lambda s: None)
                             row = {"dataset": dataset, "base": base, "epsilon": eps, "method": method, "seed": seed,
                                    "test_accuracy": m["test_accuracy"], "epsilon_spent": m["epsilon"],

@@ -14,6 +14,7 @@ from scipy.stats import binom, norm
 from dpopt.algorithms import ALGORITHMS, NON_PRIVATE
 from dpopt.audit import (AUDIT_SETUPS, AuditSpec, audit, clopper_pearson_upper, epsilon_from_rates,
                          epsilon_lower_bound, threshold_audit)
+from dpopt.audit.auditor import poisson_privatizer
 from dpopt.audit.canaries import DiracRows, ProjectedDirac
 from dpopt.audit.correlated import CorrelatedRows
 from dpopt.audit.federated import LocalDPClients
@@ -106,9 +107,11 @@ def test_bound_uses_both_error_rates():
 
 # The budgets of the tests: delta 1e-5 where the setup holds 10^6 canaries; delta 1e-3 for the projected
 # setup (65536 canaries), whose test point then lies where that many canaries resolve the error rates.
-SPECS = {DiracRows: AuditSpec(), ProjectedDirac: AuditSpec(delta=1e-3), CorrelatedRows: AuditSpec(),
-         ScalarRuns: AuditSpec(canaries=10000, steps=1, delta=1e-2),  # one run per canary (docs/audit.md)
-         LocalDPClients: AuditSpec()}
+# A secret seed makes each outcome fixed (an audit's runs draw fresh OS-entropy keys by default).
+SPECS = {DiracRows: AuditSpec(secret_seed=0), ProjectedDirac: AuditSpec(delta=1e-3, secret_seed=0),
+         CorrelatedRows: AuditSpec(secret_seed=0),
+         ScalarRuns: AuditSpec(canaries=10000, steps=1, delta=1e-2, secret_seed=0),  # one run per canary
+         LocalDPClients: AuditSpec(secret_seed=0)}
 # A federated client is scored by the sum of its messages along the canary direction: under error feedback
 # (Clip21) that score is weak, so its bound is only asked to be non-trivial.
 FLOOR = {LocalDPClients: 0.05}
@@ -181,9 +184,9 @@ def test_broken_correlated_variant_exceeds_its_claim(algorithm, variant, monkeyp
 _client_noise_init = ClientNoise.__init__
 
 
-def _clients_with_a_tenth_of_the_noise(self, noise, clients, secret_seed):
+def _clients_with_a_tenth_of_the_noise(self, noise, clients, key):
     """Every client adds a tenth of the noise its ledger records."""
-    _client_noise_init(self, LocalNoise(noise.std / 10, noise.sensitivity), clients, secret_seed)
+    _client_noise_init(self, LocalNoise(noise.std / 10, noise.sensitivity), clients, key)
 
 
 @pytest.mark.parametrize("algorithm", ["clip-sgd", "clip21-sgd2m"])
@@ -194,11 +197,20 @@ def test_federated_clients_with_too_little_noise_exceed_their_claim(algorithm, m
     assert result.violated and result.epsilon_lower > 1.2 * result.epsilon_claimed
 
 
+def test_audited_runs_draw_fresh_secret_keys_unless_a_secret_seed_is_given():
+    def draws(spec: AuditSpec) -> torch.Tensor:
+        privatizer = poisson_privatizer(spec, 200)
+        return torch.cat([privatizer.sampler.batch(0), privatizer.noise.stream.normals([torch.Size([8])], 0)[0]])
+
+    assert not torch.equal(draws(AuditSpec()), draws(AuditSpec()))  # the same (public) seed 0 both times
+    assert torch.equal(draws(AuditSpec(secret_seed=4)), draws(AuditSpec(secret_seed=4)))
+
+
 @pytest.mark.parametrize("setup,algorithm", [(DiracRows(), "dp-adam"), (ProjectedDirac(), "dp-grape")])
 def test_canary_observations_follow_the_mechanism(setup, algorithm):
     """Out canaries see noise alone, N(0, z^2); in canaries see +1 clip bound in a fraction q of the steps:
     the observations are the release in units of the clip bound, at the canary's own coordinates."""
-    spec = AuditSpec(canaries=20000, steps=3)
+    spec = AuditSpec(canaries=20000, steps=3, secret_seed=0)
     present = torch.arange(20000) % 2 == 0
     x, privatizer = setup.observations(algorithm, spec, present)
     z, q = privatizer.noise.noise_multiplier, spec.sample_rate
@@ -214,7 +226,7 @@ def test_canary_observations_follow_the_mechanism(setup, algorithm):
 
 
 def test_cli_audit_json(capsys):
-    assert main(["audit", "--algorithm", "dp-sgd", "--canaries", "100000", "--json"]) == 0
+    assert main(["audit", "--algorithm", "dp-sgd", "--canaries", "100000", "--secret-seed", "0", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"epsilon_claimed", "epsilon_lower", "confidence"}
     assert out["confidence"] == 0.95

@@ -15,7 +15,7 @@ from dpopt.grad import PerExampleEngine
 from dpopt.noise import SecretStream, build_noise
 from dpopt.privacy import AccountingError, PrivacyLedger
 from dpopt.train import TrainConfig, resume, train
-from helpers import mlp_loss, train_until_first_epoch_ends
+from helpers import mlp_loss, train_keeping_epoch_one
 
 N, BATCH, EPOCHS = 24, 8, 2
 
@@ -170,8 +170,7 @@ def test_cli_trains_each_correlated_algorithm(algorithm, tmp_path):
 def test_resume_reproduces_a_correlated_run(tmp_path, noise, algorithm):
     config = TrainConfig(algorithm=algorithm, noise=noise, epochs=2, batch_size=512, epsilon=2.0,
                          hp=Hyperparameters(lr=0.5, momentum=0.5, tree_decoder="least-squares"))
-    full = train(config, tmp_path / "full", progress=False, log=lambda _: None)
-    train_until_first_epoch_ends(config, tmp_path / "cut")
+    full = train_keeping_epoch_one(config, tmp_path / "full", tmp_path / "cut")  # its own OS-entropy key
     resumed = resume(tmp_path / "cut", progress=False, log=lambda _: None)
     a = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)["model"]
     b = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)["model"]

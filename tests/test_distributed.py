@@ -18,7 +18,7 @@ from dpopt.cli import main
 from dpopt.distributed import DataParallel, launch
 from dpopt.train import TrainConfig, train
 
-BASE = dict(model="mlp", epochs=1, noise_multiplier=1.0, accountant="rdp")
+BASE = dict(model="mlp", epochs=1, noise_multiplier=1.0, accountant="rdp", secret_seed=0)  # one run, twice
 CONFIGS = {
     "dp-sgd": TrainConfig(algorithm="dp-sgd", hp=Hyperparameters(lr=0.5, momentum=0.9), **BASE),
     "disk-adam": TrainConfig(algorithm="disk-adam", hp=Hyperparameters(lr=0.01), **BASE),  # two-point statistic
@@ -96,7 +96,7 @@ def test_the_ranks_share_one_global_poisson_batch(two_processes):
 
 
 def test_only_rank_zero_writes(two_processes):
-    assert sorted(p.name for p in (two_processes / "dp-sgd").iterdir()) == ["checkpoint.pt", "metrics.json"]
+    assert sorted(p.name for p in (two_processes / "dp-sgd").iterdir()) == ["checkpoint.pt", "metrics.json", "model"]
 
 
 def test_bad_parallel_input(monkeypatch, capsys):

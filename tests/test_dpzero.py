@@ -22,7 +22,7 @@ from dpopt.noise.rng import SecretStream
 from dpopt.privacy import (FixedParticipation, GaussianRelease, PrivacyLedger, advanced_composition_noise,
                            epsilon_of, privacy_statement)
 from dpopt.train import TrainConfig, resume, train
-from helpers import train_until_first_epoch_ends
+from helpers import train_keeping_epoch_one
 
 F64 = torch.float64
 
@@ -278,8 +278,7 @@ def test_mezo_is_never_mistaken_for_a_private_run(tmp_path):
 def test_zeroth_order_resume_reproduces_an_uninterrupted_run(tmp_path, algorithm):
     config = TrainConfig(algorithm=algorithm, epochs=3, epsilon=2.0, clip=5.0,
                          hp=Hyperparameters(lr=1e-3, direction="sphere", direction_seed=3))
-    full = train(config, tmp_path / "full", progress=False, log=lambda _: None)
-    train_until_first_epoch_ends(config, tmp_path / "cut")
+    full = train_keeping_epoch_one(config, tmp_path / "full", tmp_path / "cut")  # its own OS-entropy key
     resumed = resume(tmp_path / "cut", progress=False, log=lambda _: None)
     a, b = load_checkpoint(tmp_path / "full"), load_checkpoint(tmp_path / "cut")
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])

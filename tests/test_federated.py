@@ -75,7 +75,7 @@ def by_hand(algorithm: str, beta: float, beta_hat: float, tau: float, lr: float,
 def test_updates_match_a_hand_computation(algorithm, beta, beta_hat, std):
     kw = {} if algorithm != "clip21-sgd2m" else dict(beta=beta, beta_hat=beta_hat)
     setup = build_setup(config(algorithm=algorithm, noise_multiplier=std / 0.7, **kw),
-                        quadratic(A, torch.zeros(2), wobble=0.2))
+                        quadratic(A, torch.zeros(2), wobble=0.2), key=5)  # secret seed 5: replayable noise
     fed = InProcessFederation(setup)
     clipped = 0
     for _ in range(4):
@@ -92,8 +92,8 @@ def test_clip21_sgd2m_with_unit_momenta_is_clip21_sgd():
     """Spec §3.5 (1): beta = beta_hat = 1 gives Clip21-SGD exactly, on a real model with mini-batches and noise."""
     kw = dict(dataset="digits", model="logreg", clients=4, rounds=6, noise_multiplier=0.5, tau=0.05, lr=0.5,
               batch_size=8, participation=0.75, eval_every=100)
-    a = run_inprocess(build_setup(FederatedConfig(algorithm="clip21-sgd", **kw)), progress=False, log=print)
-    b = run_inprocess(build_setup(FederatedConfig(algorithm="clip21-sgd2m", beta=1.0, beta_hat=1.0, **kw)),
+    a = run_inprocess(build_setup(FederatedConfig(algorithm="clip21-sgd", **kw), key=1), progress=False, log=print)
+    b = run_inprocess(build_setup(FederatedConfig(algorithm="clip21-sgd2m", beta=1.0, beta_hat=1.0, **kw), key=1),
                       progress=False, log=print)
     assert torch.equal(a.x, b.x)
 
@@ -142,7 +142,7 @@ def test_error_feedback_invariants_hold_through_failures():
     for std in (0.0, 0.4):
         setup = build_setup(FederatedConfig(dataset="digits", model="logreg", clients=4, rounds=6, tau=0.05, lr=0.5,
                                             beta=0.5, beta_hat=0.5, batch_size=8, participation=0.75, dropout=0.25,
-                                            noise_multiplier=std / 0.05, eval_every=100))
+                                            noise_multiplier=std / 0.05, eval_every=100), key=0)
         fed = InProcessFederation(setup, faults=lambda t, i: "lost" if (t, i) in lost else None)
         omega_sum = torch.zeros_like(fed.server.x)
         failures = 0
@@ -235,7 +235,7 @@ def test_vectorised_oracle_equals_per_client_autograd():
     xs, ys = torch.randn(40, 1, 6, 6), torch.randint(0, 4, (40,))
     parts = [torch.arange(0, 7), torch.arange(7, 25), torch.arange(25, 40)]
     loss = lambda out, y: nn.functional.cross_entropy(out, y, reduction="none")  # noqa: E731
-    oracle = ModelOracle(model, loss, xs, ys, parts, batch_size=10, secret_seed=3, examples_per_call=20)
+    oracle = ModelOracle(model, loss, xs, ys, parts, batch_size=10, key=3, examples_per_call=20)
     x = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     rows = oracle(x, [2, 0, 1], round=7)
     for row, i in zip(rows, [2, 0, 1]):
@@ -295,6 +295,21 @@ def test_cli_writes_metrics(tmp_path, capsys):
     assert "before the round" in capsys.readouterr().err
 
 
+def test_client_noise_comes_from_os_entropy_unless_a_secret_seed_is_given(tmp_path, capsys):
+    """Issue 20: two default runs with the same public --seed draw different noise (a fresh key each, stored
+    nowhere); --secret-seed N replays it and metrics.json says so."""
+    flags = ["federated", "--model", "logreg", "--clients", "3", "--rounds", "3", "--noise-multiplier", "1",
+             "--eval-every", "3", "--no-progress", "--seed", "4"]
+    for name, extra in [("a", []), ("b", []), ("c", ["--secret-seed", "9"]), ("d", ["--secret-seed", "9"])]:
+        assert main([*flags, *extra, "--out", str(tmp_path / name)]) == 0
+    x = {name: torch.load(tmp_path / name / "model.pt")["x"] for name in "abcd"}
+    assert not torch.equal(x["a"], x["b"]) and torch.equal(x["c"], x["d"])
+    mode = {name: json.loads((tmp_path / name / "metrics.json").read_text())["secret_randomness"] for name in "ac"}
+    assert mode == {"a": "os-entropy-key", "c": "secret-seed"}
+    assert "REPLAYABLE" in capsys.readouterr().out
+    assert "secret_seed" not in json.loads((tmp_path / "c" / "metrics.json").read_text())["config"]
+
+
 BAD = [
     (dict(tau=0.0), "the clip radius tau must be a finite number > 0"),
     (dict(tau=float("nan")), "the clip radius tau must be a finite number > 0"),
@@ -330,6 +345,9 @@ def test_cli_bad_input_and_missing_flower(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         main(["federated", "--tau", "-1", "--noise-multiplier", "1", "--out", str(tmp_path)])
     assert e.value.code == 2 and "tau must be a finite number > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["federated", "--secure", "--noise-multiplier", "1", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "--secure is gone" in capsys.readouterr().err
     import importlib.util
 
     find = importlib.util.find_spec

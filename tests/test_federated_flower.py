@@ -29,9 +29,9 @@ def test_flower_simulation_equals_the_in_process_run():
     config = FederatedConfig(algorithm="clip21-sgd2m", dataset="digits", model="mlp", clients=3, rounds=5,
                              noise_multiplier=0.5, tau=0.05, lr=0.5, beta=0.5, beta_hat=0.5, participation=0.7,
                              dropout=0.2, eval_every=5)
-    local = run_inprocess(build_setup(config), progress=False, log=print,
+    local = run_inprocess(build_setup(config, key=7), progress=False, log=print,
                           faults=lambda t, i: "lost" if (t, i) == LOST else None)
-    remote = flower.run_simulation(config, mods=[lose_reply])
+    remote = flower.run_simulation(config, mods=[lose_reply], secret_seed=7)  # the same replayable noise
     assert local.metrics["failures"]["crashed"] > 0 and local.metrics["failures"]["lost"] == 1
     assert remote.metrics["failures"]["crashed_or_lost"] == sum(local.metrics["failures"].values())
     torch.testing.assert_close(remote.x, local.x, rtol=1e-5, atol=1e-6)

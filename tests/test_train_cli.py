@@ -19,7 +19,7 @@ from dpopt.noise.rng import SecretStream
 from dpopt.privacy import (FixedOrderParticipation, FixedParticipation, GaussianRelease, PoissonSampling, epsilon_of,
                            noise_multiplier_for)
 from dpopt.train import TrainConfig, resume, train
-from helpers import train_until_first_epoch_ends
+from helpers import train_keeping_epoch_one
 
 QUICK = dict(epochs=2, batch_size=128, epsilon=2.0)
 
@@ -56,8 +56,7 @@ def test_train_writes_metrics(tmp_path, capsys):
 def test_resume_reproduces_an_uninterrupted_run(tmp_path, algorithm):
     hp = Hyperparameters(lr=0.5 if algorithm == "dp-sgd" else 0.01)
     config = TrainConfig(algorithm=algorithm, hp=hp, **QUICK | {"epochs": 3})
-    full = train(config, tmp_path / "full", progress=False, log=quiet)
-    train_until_first_epoch_ends(config, tmp_path / "cut")
+    full = train_keeping_epoch_one(config, tmp_path / "full", tmp_path / "cut")  # its own OS-entropy key
     assert load_checkpoint(tmp_path / "cut")["step"] == 11
     resumed = resume(tmp_path / "cut", progress=False, log=quiet)
     a, b = load_checkpoint(tmp_path / "full"), load_checkpoint(tmp_path / "cut")
@@ -106,6 +105,7 @@ def test_missing_and_corrupt_checkpoints(tmp_path, capsys):
     (["--epochs", "0"], "must be an integer >= 1"),
     (["--trainable", "("], "not a regular expression"),
     (["--trainable", "head"], "matches no parameter of the model; its parameters are named 1.weight"),
+    (["--secret-seed", "1", "--secure"], "not allowed with argument --secret-seed"),
 ])
 def test_bad_input_gets_a_clear_error(args, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -142,6 +142,8 @@ def test_secure_mode_runs_and_is_not_reproducible():
     b = train(cfg, progress=False, log=quiet)
     assert a["epsilon"] == b["epsilon"] <= 2.0
     assert a["history"][0]["train_loss"] != b["history"][0]["train_loss"]
+    with pytest.raises(ValueError, match="takes no --secret-seed"):
+        TrainConfig(epochs=1, epsilon=2.0, secure=True, secret_seed=1).validate()
 
 
 def test_mnist_loads_from_the_shared_folder():
@@ -176,12 +178,55 @@ def test_account_with_rdp_on_request(capsys):
     assert json.loads(capsys.readouterr().out)["epsilon"] == pytest.approx(2.60, abs=0.01)
 
 
-def test_seed_makes_a_run_reproducible(tmp_path):
-    runs = {name: train(TrainConfig(epochs=1, epsilon=2.0, seed=seed), tmp_path / name, progress=False, log=quiet)
-            for name, seed in [("a", 3), ("b", 3), ("c", 4)]}
+def test_default_runs_with_the_same_seed_draw_different_noise(tmp_path):
+    """The public --seed never keys the secret streams: each default run draws its own key from OS entropy
+    (before issue 20 the noise was derived from --seed, so anyone who knew it could remove the noise)."""
+    for name in "ab":
+        train(TrainConfig(epochs=1, epsilon=2.0, seed=3), tmp_path / name, progress=False, log=quiet)
+    a, b = (load_checkpoint(tmp_path / name) for name in "ab")
+    assert len(a["rng"]["secret_key"]) == 32 and a["rng"]["secret_key"] != b["rng"]["secret_key"]
+    assert not all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def test_secret_seed_replays_the_noise_and_seed_is_only_public(tmp_path):
+    runs = {"a": (0, 3), "b": (0, 3), "c": (0, 4), "d": (1, 3)}  # name: (seed, secret seed)
+    for name, (seed, secret) in runs.items():
+        train(TrainConfig(epochs=1, epsilon=2.0, seed=seed, secret_seed=secret), tmp_path / name, progress=False,
+              log=quiet)
     models = {name: load_checkpoint(tmp_path / name)["model"] for name in runs}
     assert all(torch.equal(models["a"][k], models["b"][k]) for k in models["a"])
     assert not all(torch.equal(models["a"][k], models["c"][k]) for k in models["a"])
+    init = {name: initial_state(TrainConfig(epochs=1, epsilon=2.0, seed=seed)) for name, (seed, _) in runs.items()}
+    assert all(torch.equal(init["a"][k], init["c"][k]) for k in init["a"])  # --seed: initialisation
+    assert not all(torch.equal(init["a"][k], init["d"][k]) for k in init["a"])
+    stream = PoissonSampler.with_batch_size(1437, 128, SecretStream(3, "sampling"))
+    assert all(torch.equal(stream.batch(t), PoissonSampler.with_batch_size(
+        1437, 128, SecretStream(3, "sampling")).batch(t)) for t in range(3))
+
+
+def test_the_secret_key_and_seed_are_only_in_the_checkpoint_and_the_export_holds_only_tensors(tmp_path, capsys):
+    """Every file of a run folder but the (private) checkpoint is free of the key and of the secret seed;
+    OUT/model/model.pt is the model's state_dict and nothing else."""
+    assert main(["train", "--epochs", "1", "--out", str(tmp_path / "key"), "--no-progress"]) == 0
+    assert main(["train", "--epochs", "1", "--secret-seed", "987654321", "--out", str(tmp_path / "seed"),
+                 "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    key = load_checkpoint(tmp_path / "key")["rng"]["secret_key"]
+    assert load_checkpoint(tmp_path / "seed")["rng"]["secret_key"] == 987654321
+    secrets = {"key": [key, key.hex().encode()], "seed": [b"987654321"]}
+    for name, forms in secrets.items():
+        files = [f for f in (tmp_path / name).rglob("*") if f.is_file() and f.name != CHECKPOINT]
+        assert {f.relative_to(tmp_path / name).as_posix() for f in files} == {"metrics.json", "model/model.pt"}
+        for f in files:
+            assert not any(secret in f.read_bytes() for secret in forms), f
+        model = torch.load(tmp_path / name / "model" / "model.pt", weights_only=True)
+        state = load_checkpoint(tmp_path / name)["model"]
+        assert model.keys() == state.keys() and all(torch.equal(model[k], state[k]) for k in state)
+    assert "987654321" not in out and key.hex() not in out
+    metrics = {name: json.loads((tmp_path / name / "metrics.json").read_text()) for name in secrets}
+    assert metrics["key"]["secret_randomness"] == "os-entropy-key" and "secret_seed" not in metrics["key"]["config"]
+    assert metrics["seed"]["secret_randomness"] == "secret-seed"
+    assert "REPLAYABLE" in metrics["seed"]["privacy_statement"]
 
 
 def test_noise_multiplier_replaces_epsilon(tmp_path):
@@ -211,10 +256,10 @@ def test_nonfinite_gradients_in_training_contribute_zero_warn_and_are_counted(mo
         return data
 
     monkeypatch.setitem(datasets.DATASETS, "digits", digits_with_a_nan)
-    config = TrainConfig(epochs=2, epsilon=2.0)
+    config = TrainConfig(epochs=2, epsilon=2.0, secret_seed=5)
     with pytest.warns(UserWarning, match="non-finite gradients"):
         m = train(config, progress=False, log=quiet)
-    sampler = PoissonSampler.with_batch_size(1437, 128, SecretStream(config.seed, "sampling"))
+    sampler = PoissonSampler.with_batch_size(1437, 128, SecretStream(config.secret_seed, "sampling"))
     sampled = sum(int((sampler.batch(t) == 1436).any()) for t in range(m["steps"]))
     assert m["nonfinite_examples"] == sampled > 0
     assert math.isfinite(m["history"][-1]["test_accuracy"]) and m["test_accuracy"] > 0.5
@@ -236,6 +281,11 @@ def test_checkpoint_holds_model_optimizer_ledger_sampler_and_rng_and_refuses_a_c
     save_checkpoint(tmp_path, state)
     with pytest.raises(CheckpointError, match="sampler"):
         resume(tmp_path, progress=False, log=quiet)
+    del state["rng"]["secret_key"]  # a checkpoint from before keys were (noise derived from the public seed)
+    save_checkpoint(tmp_path, state)
+    with pytest.raises(CheckpointError, match="holds no secret key"):
+        resume(tmp_path, progress=False, log=quiet)
+    state["rng"]["secret_key"] = None
     del state["sampler"]  # a checkpoint from before samplers were recorded
     save_checkpoint(tmp_path, state)
     with pytest.raises(CheckpointError, match="lacks sampler"):
@@ -266,8 +316,11 @@ def initial_state(config: TrainConfig) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in build_run(config, log=quiet).model.state_dict().items()}
 
 
-def test_privacy_statement_says_whether_the_noise_is_reproducible():
-    seeded = train(TrainConfig(epochs=1, epsilon=2.0), progress=False, log=quiet)["privacy_statement"]
-    assert "seed kept secret" in seeded and "--secure" in seeded
-    secure = train(TrainConfig(epochs=1, epsilon=2.0, secure=True), progress=False, log=quiet)["privacy_statement"]
-    assert "OS entropy" in secure and "seed kept secret" not in secure
+def test_privacy_statement_says_whether_the_noise_is_replayable():
+    def statement(**mode) -> str:
+        return train(TrainConfig(epochs=1, epsilon=2.0, **mode), progress=False, log=quiet)["privacy_statement"]
+
+    default, seeded, secure = statement(), statement(secret_seed=1), statement(secure=True)
+    assert "secret key drawn from OS entropy, kept only in the run's checkpoint" in default
+    assert "REPLAYABLE" in seeded and "--secret-seed" in seeded and "REPLAYABLE" not in default
+    assert "draw by draw" in secure and "REPLAYABLE" not in secure

@@ -34,7 +34,7 @@ from dpopt.audit.bounds import ThresholdTest, threshold_audit
 from dpopt.clipping import Clipping
 from dpopt.data.samplers import PoissonSampler
 from dpopt.noise.gaussian import GaussianNoise
-from dpopt.noise.rng import SecretStream, derive_seed
+from dpopt.noise.rng import SecretStream, derive_seed, secret_key
 from dpopt.privacy import Participation, PrivacyLedger, check_budget, noise_multiplier_for
 from dpopt.transforms.base import Transform
 
@@ -53,7 +53,8 @@ class AuditSpec:
     calibration: float = 0.2  # fraction of the canaries that only choose the threshold
     clip: float = 1.0
     canary_norm: float = 10.0  # each canary's statistic has norm canary_norm * clip before clipping
-    seed: int = 0
+    seed: int = 0  # the auditor's canary draw (public to the auditor)
+    secret_seed: int | None = None  # the audited runs' secret streams: replayable; None: OS-entropy keys
     hp: Hyperparameters = field(default_factory=lambda: Hyperparameters(lr=0.01))
 
     def __post_init__(self) -> None:
@@ -156,11 +157,13 @@ def audit(algorithm: str, spec: AuditSpec | None = None) -> AuditResult:
 
 def poisson_privatizer(spec: AuditSpec, dataset_size: int) -> Privatizer:
     """Stages 3-4 and the ledger, built as ``dpopt.train.build_run`` builds them: Poisson sampling, noise
-    calibrated to the spec's budget, flat clipping, secret streams derived from the seed."""
-    sampler = PoissonSampler(dataset_size, spec.sample_rate, SecretStream(spec.seed, "sampling"))
+    calibrated to the spec's budget, flat clipping, secret streams keyed by fresh OS entropy (or the spec's
+    secret seed)."""
+    key = secret_key(spec.secret_seed)
+    sampler = PoissonSampler(dataset_size, spec.sample_rate, SecretStream(key, "sampling"))
     z = _calibrated(spec.epsilon, spec.delta, sampler.participation, spec.steps)
     clipping = Clipping(spec.clip)
-    noise = GaussianNoise(z, clipping.sensitivity, SecretStream(spec.seed, "noise"))
+    noise = GaussianNoise(z, clipping.sensitivity, SecretStream(key, "noise"))
     return Privatizer(clipping, noise, sampler, PrivacyLedger())
 
 

@@ -21,7 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--confidence", type=float, default=d.confidence, help="confidence of the lower bound")
     p.add_argument("--calibration", type=float, default=d.calibration,
                    help="fraction of the canaries that only choose the test's threshold")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of the run's secret streams and the canary draw")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the canary draw (which canaries are present)")
+    p.add_argument("--secret-seed", type=int, metavar="N",
+                   help="key the audited runs' secret streams from N, for a reproducible audit (default: fresh "
+                        "OS entropy for every run)")
     p.add_argument("--json", action="store_true",
                    help='print {"epsilon_claimed": ..., "epsilon_lower": ..., "confidence": ...}')
 
@@ -29,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     spec = AuditSpec(epsilon=args.epsilon, delta=args.delta, steps=args.steps, sample_rate=args.sample_rate,
                      canaries=args.canaries, confidence=args.confidence, calibration=args.calibration,
-                     seed=args.seed)
+                     seed=args.seed, secret_seed=args.secret_seed)
     result = audit(args.algorithm, spec)
     if args.json:
         print(json.dumps({"epsilon_claimed": result.epsilon_claimed, "epsilon_lower": result.epsilon_lower,

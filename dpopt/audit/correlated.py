@@ -12,7 +12,7 @@ from dpopt.audit.auditor import AuditSpec, register_audit
 from dpopt.audit.canaries import DiracRows
 from dpopt.clipping import Clipping
 from dpopt.data.samplers import FixedOrderSampler
-from dpopt.noise.rng import SecretStream
+from dpopt.noise.rng import SecretStream, secret_key
 from dpopt.privacy import PrivacyLedger
 from dpopt.train import TrainConfig, build_run_noise
 
@@ -26,10 +26,11 @@ class CorrelatedRows(DiracRows):
 
     def privatizer(self, algorithm: str, spec: AuditSpec, dataset_size: int) -> Privatizer:
         batch = max(1, round(spec.sample_rate * dataset_size))
-        sampler = FixedOrderSampler(dataset_size, batch, SecretStream(spec.seed, "sampling"))
+        key = secret_key(spec.secret_seed)
+        sampler = FixedOrderSampler(dataset_size, batch, SecretStream(key, "sampling"))
         config = TrainConfig(algorithm=algorithm, epsilon=spec.epsilon, delta=spec.delta, clip=spec.clip, hp=spec.hp)
         clipping = Clipping(spec.clip)
-        noise = build_run_noise(config, sampler, spec.steps, clipping.sensitivity, SecretStream(spec.seed, "noise"),
+        noise = build_run_noise(config, sampler, spec.steps, clipping.sensitivity, SecretStream(key, "noise"),
                                 log=lambda _: None)
         return Privatizer(clipping, noise, sampler, PrivacyLedger())
 

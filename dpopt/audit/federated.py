@@ -33,7 +33,7 @@ class LocalDPClients:
         config = FederatedConfig(algorithm=algorithm, clients=k, rounds=spec.steps, epsilon=spec.epsilon,
                                  delta=spec.delta, tau=spec.clip, lr=spec.hp.lr, seed=spec.seed,
                                  eval_every=spec.steps + 1)
-        federation = InProcessFederation(build_setup(config, problem))
+        federation = InProcessFederation(build_setup(config, problem, key=spec.secret_seed))
         sent: list[torch.Tensor] = []
         add_noise = federation.noise.add_to
 

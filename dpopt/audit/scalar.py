@@ -28,7 +28,8 @@ class ScalarRuns(GaussianCanaries):
         x = torch.empty(len(present), spec.steps, dtype=torch.float64)
         one = torch.zeros(1, dtype=torch.long)
         for k, here in enumerate(present.tolist()):
-            run = dataclasses.replace(spec, seed=derive_seed(spec.seed, "audit run", k), hp=hp)
+            secret = None if spec.secret_seed is None else derive_seed(spec.secret_seed, "audit run", k)
+            run = dataclasses.replace(spec, secret_seed=secret, hp=hp)
             model = nn.Embedding(1, 1)
             nn.init.zeros_(model.weight)
             scale = float(here) * spec.canary_norm * spec.clip

@@ -19,6 +19,12 @@ from dpopt.federated.simulator import ClientFailure, run_inprocess, save_outputs
 from dpopt.models import MODELS
 
 RUNTIMES = ("simulation", "deployment")
+RANDOMNESS_NOTE = {
+    "os-entropy-key": "Client noise and batches came from a key drawn from OS entropy for this run; nothing "
+                      "stores it.",
+    "secret-seed": "REPLAYABLE noise: --secret-seed was given, so anyone who knows it can regenerate and remove "
+                   "the clients' noise.",
+}
 
 
 def _batch_size(text: str) -> int | None:
@@ -58,8 +64,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="probability that an asked client fails before sending (simulated failures)")
     p.add_argument("--on-failure", default=d.on_failure, choices=FAILURE_POLICIES,
                    help="finish the round with the clients that report, or stop with an error")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--secure", action="store_true", help="clients draw their noise from OS entropy")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="public seed: partition, initialisation, participation, dropout (never the noise)")
+    p.add_argument("--secret-seed", type=int, metavar="N",
+                   help="REPLAYABLE client noise and batches, for reproductions and tests: anyone who knows N can "
+                        "remove the noise (default: a key from OS entropy, drawn per run and never stored)")
+    p.add_argument("--secure", action="store_true", help=argparse.SUPPRESS)  # refused: the default now
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--engine", default="inprocess", choices=ENGINES)
     p.add_argument("--flower-runtime", default="simulation", choices=RUNTIMES,
@@ -83,28 +93,33 @@ def _flower() -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.secure:
+        raise ValueError("--secure is gone: the clients' noise now comes from OS entropy by default (a key "
+                         "drawn per run, never stored); --secret-seed N makes it replayable")
     config = config_from(args)
+    mode = "os-entropy-key" if args.secret_seed is None else "secret-seed"
     try:
-        if args.engine == "inprocess":
-            result = run_inprocess(build_setup(config), progress=not args.no_progress)
-            save_outputs(args.out, result.metrics, result.x)
-            metrics = result.metrics
-        elif args.flower_runtime == "simulation":
-            flower = _flower()
-            build_setup(config)  # refuse bad input before Flower starts
-            with tqdm(total=config.rounds, desc=f"{config.algorithm} on Flower", disable=args.no_progress) as bar:
-                result = flower.run_simulation(config, bar)
-            save_outputs(args.out, result.metrics, result.x)
-            metrics = result.metrics
-        else:
+        if args.engine == "flower" and args.flower_runtime == "deployment":
             _flower()
             build_setup(config)
             from dpopt.federated.deploy import run_deployment
 
-            metrics = run_deployment(config, args.out)
+            metrics = run_deployment(config, args.out, secret_seed=args.secret_seed)
+        else:
+            if args.engine == "inprocess":
+                result = run_inprocess(build_setup(config, key=args.secret_seed), progress=not args.no_progress)
+            else:
+                flower = _flower()
+                build_setup(config)  # refuse bad input before Flower starts
+                with tqdm(total=config.rounds, desc=f"{config.algorithm} on Flower",
+                          disable=args.no_progress) as bar:
+                    result = flower.run_simulation(config, bar, secret_seed=args.secret_seed)
+            metrics = {**result.metrics, "secret_randomness": mode}  # the server cannot know; the launcher does
+            save_outputs(args.out, metrics, result.x)
     except ClientFailure as e:
         print(f"dpopt: error: {e}", file=sys.stderr)
         return 3
     print(f"test accuracy {metrics['test_accuracy']:.4f}; per-client epsilon {metrics['epsilon']:.4g} "
           f"(delta {metrics['delta']:g}, local DP) after {metrics['rounds']} rounds; wrote {args.out}/metrics.json")
+    print(RANDOMNESS_NOTE[mode])
     return 0

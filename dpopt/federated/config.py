@@ -12,7 +12,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,7 @@ from dpopt.federated.privacy import CALIBRATIONS, LocalNoise, noise_std_for
 from dpopt.federated.problem import FlatLayout, ModelOracle, Problem
 from dpopt.federated.rules import ALGORITHMS, CLIP_MODES, MessageClipping, Method
 from dpopt.models import MODELS, build_model
-from dpopt.noise.rng import derive_seed, public_generator
+from dpopt.noise.rng import derive_seed, public_generator, secret_key
 from dpopt.privacy import check_budget
 from dpopt.train import accuracy
 
@@ -53,8 +53,7 @@ class FederatedConfig:
     participation: float = 1.0
     dropout: float = 0.0
     on_failure: str = "continue"
-    seed: int = 0
-    secure: bool = False
+    seed: int = 0  # public: partition, initialisation, participation, dropout; never the secret streams
     eval_every: int = 10
 
     def validate(self) -> None:
@@ -113,10 +112,15 @@ class Setup:
     clipping: MessageClipping
     noise: LocalNoise
     problem: Problem
-    secret_seed: int | None  # the clients' secret streams (noise, batches); None: OS entropy
+    secret_key: int | bytes  # the clients' secret streams (noise, batches): never sent to the server
+
+    @property
+    def randomness(self) -> str:
+        """``secret-seed`` (replayable) or ``os-entropy-key`` (a key drawn for this run and never stored)."""
+        return "secret-seed" if isinstance(self.secret_key, int) else "os-entropy-key"
 
 
-def classification_problem(config: FederatedConfig, secret_seed: int | None,
+def classification_problem(config: FederatedConfig, key: int | bytes | None,
                            parts: Sequence[torch.Tensor] | None = None) -> Problem:
     """The config's dataset split over its clients (by ``config.split``, or the given ``parts``: one index
     tensor into the training set per client), its model (initialised from the public seed), the
@@ -132,7 +136,7 @@ def classification_problem(config: FederatedConfig, secret_seed: int | None,
     model = build_model(config.model, data)
     layout = FlatLayout.of(model)
     oracle = ModelOracle(model, lambda out, y: F.cross_entropy(out, y, reduction="none"), x_train, y_train, parts,
-                         config.batch_size, secret_seed)
+                         config.batch_size, key)
 
     def evaluate(x: torch.Tensor) -> dict[str, float]:
         torch.nn.utils.vector_to_parameters(x, [p for p in model.parameters() if p.requires_grad])
@@ -141,17 +145,15 @@ def classification_problem(config: FederatedConfig, secret_seed: int | None,
     return Problem(oracle, layout.flatten(model), layout.sizes, [len(p) for p in parts], evaluate)
 
 
-def build_setup(config: FederatedConfig, problem: Problem | None = None,
-                secret_seed: int | None | Literal["config"] = "config") -> Setup:
+def build_setup(config: FederatedConfig, problem: Problem | None = None, key: int | bytes | None = None) -> Setup:
     """Validate the config and build the run; ``problem`` replaces the config's dataset and model.
 
-    ``secret_seed`` seeds the clients' secret streams: by default the run seed (under a secret label, as in
-    the core) unless the config asks for ``secure`` OS entropy. A Flower client passes its own (from its node
-    config), so the server never learns it."""
+    ``key`` keys the clients' secret streams: an integer secret seed makes the noise replayable (reproductions,
+    tests); None draws a fresh key from OS entropy, which nothing stores. It is never part of the config, so
+    the server (which gets the config) never learns it; a Flower client passes its own."""
     config.validate()
-    if secret_seed == "config":
-        secret_seed = None if config.secure else config.seed
-    problem = problem if problem is not None else classification_problem(config, secret_seed)
+    key = secret_key() if key is None else key
+    problem = problem if problem is not None else classification_problem(config, key)
     if problem.clients != config.clients:
         raise ValueError(f"the problem has {problem.clients} clients but the config says {config.clients}")
     clipping = MessageClipping(config.tau, config.clipping, problem.block_sizes)
@@ -159,7 +161,7 @@ def build_setup(config: FederatedConfig, problem: Problem | None = None,
         std = noise_std_for(clipping.sensitivity, config.rounds, config.epsilon, config.delta, config.noise_calibration)
     else:
         std = config.noise_multiplier * clipping.sensitivity
-    return Setup(config, config.method(), clipping, LocalNoise(std, clipping.sensitivity), problem, secret_seed)
+    return Setup(config, config.method(), clipping, LocalNoise(std, clipping.sensitivity), problem, key)
 
 
 def participants(config: FederatedConfig, round: int) -> list[int]:

@@ -4,8 +4,9 @@ talk over loopback HTTP, and ``flwr run`` submitting the dpopt Flower app to the
 The app bundle is written to ``DIR/flower-app`` (a ``pyproject.toml`` naming ``dpopt.federated.flower``'s
 ``server_app`` and ``client_app``, with the run's config); the Flower CLI's connection file to
 ``DIR/flower-home``; every process logs to ``DIR/flower-logs``. Each SuperNode gets
-``partition-id``/``num-partitions`` and, unless the run is ``secure``, the clients' ``secret-seed`` in its
-own node config: the server never sees it. The processes are stopped when the run ends or fails.
+``partition-id``/``num-partitions`` and, if the run has one, the clients' ``secret-seed`` in its own node
+config: the server never sees it (without one, each client draws its own key from OS entropy). The
+processes are stopped when the run ends or fails.
 """
 
 from __future__ import annotations
@@ -77,8 +78,10 @@ def _processes() -> Iterator[list[subprocess.Popen]]:
                     os.killpg(p.pid, signal.SIGKILL)
 
 
-def run_deployment(config: FederatedConfig, out: str | Path, timeout: float = 3600.0) -> dict:
-    """Start a SuperLink and ``config.clients`` SuperNodes on loopback, run the app, return its metrics."""
+def run_deployment(config: FederatedConfig, out: str | Path, timeout: float = 3600.0,
+                   secret_seed: int | None = None) -> dict:
+    """Start a SuperLink and ``config.clients`` SuperNodes on loopback, run the app, return its metrics.
+    ``secret_seed`` (replayable noise) goes to the SuperNodes' node configs only."""
     out = Path(out)
     logs, home = out / "flower-logs", out / "flower-home"
     logs.mkdir(parents=True, exist_ok=True)
@@ -105,8 +108,8 @@ def run_deployment(config: FederatedConfig, out: str | Path, timeout: float = 36
         _wait_for_port(link, procs[0], logs / "superlink.log")
         for i in range(config.clients):
             node = f"partition-id={i} num-partitions={config.clients}"
-            if not config.secure:
-                node += f" secret-seed={config.seed}"
+            if secret_seed is not None:
+                node += f" secret-seed={secret_seed}"
             port = _free_port()
             procs.append(start(f"supernode-{i}", ["flower-supernode", "--insecure", "--superlink",
                                                   f"127.0.0.1:{link}", "--port", str(port), "--node-config", node]))

@@ -11,9 +11,9 @@ discards the staged state. So a reply lost on the way leaves g_i equal to what t
 holds), while the client's ledger still counts the message, which did leave the client.
 
 Clients are identified by ``partition-id`` from their node config; a SuperNode may also hold a
-``secret-seed`` there, which never reaches the server (without it the client draws its noise from OS
-entropy). Flower's own DP mods are not stacked on top: they clip and noise model updates, a different
-mechanism (spec §9).
+``secret-seed`` there (replayable noise, for reproductions), which never reaches the server; without it
+each client process draws its own key from OS entropy, which nothing stores. Flower's own DP mods are not
+stacked on top: they clip and noise model updates, a different mechanism (spec §9).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from dpopt.federated.config import FederatedConfig, Setup, build_setup, drops_ou
 from dpopt.federated.privacy import client_ledger, client_stream
 from dpopt.federated.rules import ServerState, client_update
 from dpopt.federated.simulator import ClientFailure, RunResult, failure_message, finish, save_outputs
+from dpopt.noise.rng import secret_key
 from dpopt.privacy import PrivacyLedger
 
 CONFIG_KEY = "dpopt-config"
@@ -58,9 +59,9 @@ def _array(t: torch.Tensor) -> Array:
 
 
 @functools.lru_cache(maxsize=4)
-def _setup(config_json: str, secret_seed: int | None) -> Setup:
+def _setup(config_json: str, key: int | bytes | None) -> Setup:
     torch.set_num_threads(1)
-    return build_setup(FederatedConfig.from_json(config_json), secret_seed=secret_seed)
+    return build_setup(FederatedConfig.from_json(config_json), key=key)
 
 
 # ---------------------------------------------------------------------------------------------- client
@@ -94,14 +95,15 @@ class ClientState:
         record[META] = ConfigRecord({"pending-round": round, "ledger": json.dumps(self.ledger.to_dict())})
 
 
-def make_client_app(config_json: str | None = None, secret_seed: int | None = None,
+def make_client_app(config_json: str | None = None, key: int | bytes | None = None,
                     mods: Sequence[Callable] = ()) -> ClientApp:
-    """The ClientApp. ``config_json``/``secret_seed`` are given by the in-process simulation launcher;
-    a SuperNode reads the config from the run config and the secret seed from its own node config."""
+    """The ClientApp. ``config_json``/``key`` are given by the in-process simulation launcher; a SuperNode
+    reads the config from the run config and a secret seed, if the run has one, from its own node config
+    (without one, each client process draws its own key from OS entropy)."""
     app = ClientApp(mods=list(mods))
 
     def setup_of(context: Context) -> tuple[Setup, int]:
-        seed = secret_seed
+        seed = key
         if config_json is None:
             seed = int(context.node_config["secret-seed"]) if "secret-seed" in context.node_config else None
         return _setup(config_json or str(context.run_config[CONFIG_KEY]), seed), int(context.node_config["partition-id"])
@@ -121,7 +123,7 @@ def make_client_app(config_json: str | None = None, secret_seed: int | None = No
                                None if state.g is None else state.g[None])
         message = update.delta[0].clone()
         if setup.noise.std > 0:
-            message.add_(client_stream(setup.secret_seed, i, "noise").normals([message.shape], t)[0],
+            message.add_(client_stream(setup.secret_key, i, "noise").normals([message.shape], t)[0],
                          alpha=setup.noise.std)
         state.ledger.record(setup.noise.release())
         state.save(context.state, {"v": None if update.v is None else update.v[0],
@@ -270,8 +272,8 @@ def make_server_app(config_json: str | None = None, results: dict[str, Any] | No
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         torch.set_num_threads(1)
-        setup = build_setup(FederatedConfig.from_json(config_json or str(context.run_config[CONFIG_KEY])),
-                            secret_seed=None)  # the server draws nothing secret
+        setup = build_setup(FederatedConfig.from_json(config_json or str(context.run_config[CONFIG_KEY])))
+        # (the server draws nothing secret: its setup's key is never used)
         strategy = Clip21Strategy(setup, bar)
         start = time.perf_counter()
         strategy.discover(grid)
@@ -293,8 +295,9 @@ client_app = make_client_app()
 
 
 def run_simulation(config: FederatedConfig, bar: Any = None, mods: Sequence[Callable] = (),
-                   cpus: int = 2) -> RunResult:
-    """Run on Flower's simulation engine (Ray), with one virtual SuperNode per client."""
+                   cpus: int = 2, secret_seed: int | None = None) -> RunResult:
+    """Run on Flower's simulation engine (Ray), with one virtual SuperNode per client; the clients' key is
+    ``secret_seed`` (replayable) or drawn here from OS entropy, and reaches the clients only."""
     from flwr.simulation import run_simulation as flwr_run_simulation
 
     root = str(Path(__file__).resolve().parents[2])  # Ray workers import dpopt from here
@@ -303,7 +306,7 @@ def run_simulation(config: FederatedConfig, bar: Any = None, mods: Sequence[Call
     config_json = config.to_json()
     flwr_run_simulation(
         make_server_app(config_json, results, bar),
-        make_client_app(config_json, None if config.secure else config.seed, mods),
+        make_client_app(config_json, secret_key(secret_seed), mods),
         num_supernodes=config.clients,
         backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
                         "init_args": {"num_cpus": cpus, "include_dashboard": False}})

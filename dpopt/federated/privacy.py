@@ -77,18 +77,18 @@ class LocalNoise:
         return GaussianRelease(self.noise_multiplier, EVERY_ROUND)
 
 
-def client_stream(secret_seed: int | None, client: int, purpose: str) -> SecretStream:
+def client_stream(key: int | bytes | None, client: int, purpose: str) -> SecretStream:
     """The secret stream of one client for one purpose (``noise``, ``batch``, ``gradient-noise``),
     indexed by round; the same draws whichever engine runs the client."""
-    return SecretStream(secret_seed, f"federated/client/{client}/{purpose}")
+    return SecretStream(key, f"federated/client/{client}/{purpose}")
 
 
 class ClientNoise:
     """Draws ω_i for any subset of clients from each client's own secret stream."""
 
-    def __init__(self, noise: LocalNoise, clients: int, secret_seed: int | None) -> None:
+    def __init__(self, noise: LocalNoise, clients: int, key: int | bytes | None) -> None:
         self.noise = noise
-        self.streams = [client_stream(secret_seed, i, "noise") for i in range(clients)]
+        self.streams = [client_stream(key, i, "noise") for i in range(clients)]
 
     def add_to(self, messages: torch.Tensor, clients: list[int], round: int) -> torch.Tensor:
         """Adds ω to each row of ``messages`` [k, d] (row j belongs to ``clients[j]``), in place."""

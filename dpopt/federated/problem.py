@@ -64,7 +64,7 @@ class ModelOracle:
     """
 
     def __init__(self, model: nn.Module, example_loss: ExampleLoss, inputs: torch.Tensor, targets: torch.Tensor,
-                 parts: Sequence[torch.Tensor], batch_size: int | None, secret_seed: int | None,
+                 parts: Sequence[torch.Tensor], batch_size: int | None, key: int | bytes | None,
                  regulariser: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None,
                  gradient_noise: float = 0.0, examples_per_call: int = 8192) -> None:
         if batch_size is not None and batch_size < 1:
@@ -74,8 +74,8 @@ class ModelOracle:
         self.inputs, self.targets, self.parts = inputs, targets, [torch.as_tensor(p) for p in parts]
         self.batch_size, self.gradient_noise = batch_size, float(gradient_noise)
         self.examples_per_call = examples_per_call
-        self.batch_streams = [client_stream(secret_seed, i, "batch") for i in range(len(parts))]
-        self.noise_streams = [client_stream(secret_seed, i, "gradient-noise") for i in range(len(parts))]
+        self.batch_streams = [client_stream(key, i, "batch") for i in range(len(parts))]
+        self.noise_streams = [client_stream(key, i, "gradient-noise") for i in range(len(parts))]
         buffers = dict(model.named_buffers())
 
         def client_loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,

@@ -61,7 +61,7 @@ class InProcessFederation:
         self.server = ServerState.start(x0)
         self.v = x0.new_zeros(n, x0.numel()) if setup.method.momentum else None
         self.g = x0.new_zeros(n, x0.numel()) if setup.method.error_feedback else None
-        self.noise = ClientNoise(setup.noise, n, setup.secret_seed)
+        self.noise = ClientNoise(setup.noise, n, setup.secret_key)
         self.ledgers = ClientLedgers(n)
 
     def fault(self, round: int, client: int) -> Fault | None:

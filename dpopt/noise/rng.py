@@ -2,11 +2,13 @@
 
 * Public randomness (model initialisation, projection matrices, zeroth-order directions) may be
   published: it comes from ``public_generator(seed, *labels)``.
-* Secret randomness (privacy noise, Poisson sampling, batch shuffles) comes from a ``SecretStream``. In
-  reproducible mode it is derived from the run's seed through SHA-256 under a "secret" label, so no public
-  seed (even a published projection seed) reveals it; in secure mode it is read from the OS entropy pool
-  and nothing about it is stored. Streams are counter-based: the draw for step t depends only on (key, t),
-  so a resumed run reproduces an uninterrupted one without saving generator states.
+* Secret randomness (privacy noise, Poisson sampling, batch shuffles) comes from a ``SecretStream``, keyed
+  by the run's secret key (``secret_key``): by default 256 bits of OS entropy drawn once per run and kept
+  only in the run's checkpoint; with an explicit secret seed (for reproductions and tests) the key is that
+  seed and the noise is replayable by anyone who knows it. The public seed never enters a secret stream. In
+  secure mode (no key) every draw is read from the OS entropy pool and nothing about it is stored. Streams
+  are counter-based: the draw for step t depends only on (key, label, t), so a resumed run reproduces an
+  uninterrupted one without saving generator states.
 """
 
 from __future__ import annotations
@@ -15,14 +17,15 @@ import functools
 import hashlib
 import math
 import os
+import secrets
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 
-def derive_seed(seed: int, *labels: object) -> int:
-    """A 63-bit seed that depends on ``seed`` and the labels and on nothing else."""
-    text = "/".join([str(int(seed)), *map(str, labels)]).encode()
+def derive_seed(seed: int | bytes, *labels: object) -> int:
+    """A 63-bit seed that depends on ``seed`` (an integer or a key) and the labels and on nothing else."""
+    text = "/".join([seed.hex() if isinstance(seed, bytes) else str(int(seed)), *map(str, labels)]).encode()
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
 
 
@@ -33,15 +36,27 @@ def public_generator(seed: int, *labels: object, device: torch.device | str = "c
     return g
 
 
+def secret_key(secret_seed: int | None = None) -> int | bytes:
+    """The root of a run's secret streams: 256 bits of OS entropy, or the replayable ``secret_seed`` if given."""
+    return secrets.token_bytes(32) if secret_seed is None else secret_seed
+
+
 class SecretStream:
     """Secret randomness for one purpose (``label``), indexed by step.
 
-    ``seed=None`` selects secure mode: every draw comes from ``os.urandom`` and cannot be replayed.
+    ``key``: a run's ``secret_key`` (bytes: OS entropy; each step's generators are seeded through SHA-256 of
+    the whole key, so recovering one step's 63-bit generator seed tells nothing about another step's), an
+    integer secret seed (replayable), or None for secure mode: every draw comes from ``os.urandom`` and
+    cannot be replayed.
     """
 
-    def __init__(self, seed: int | None, label: str) -> None:
-        self.secure = seed is None
-        self._key = None if seed is None else derive_seed(seed, "secret", label)
+    def __init__(self, key: int | bytes | None, label: str) -> None:
+        self.secure = key is None
+        self._key: int | bytes | None
+        if isinstance(key, bytes):
+            self._key = hashlib.sha256(b"/".join([key, b"secret", label.encode()])).digest()
+        else:
+            self._key = None if key is None else derive_seed(key, "secret", label)
 
     def generator(self, step: int, device: torch.device | str = "cpu") -> torch.Generator:
         if self.secure:

@@ -8,10 +8,19 @@ import math
 from dpopt.privacy.ledger import FixedParticipation, PoissonSampling, PrivacyLedger, Relation
 
 
+RANDOMNESS = {
+    "os-entropy-key": "Noise and batches came from a secret key drawn from OS entropy, kept only in the run's "
+                      "checkpoint (never in metrics.json or the exported model).",
+    "secret-seed": "REPLAYABLE noise: --secret-seed was given, so anyone who knows the secret seed can regenerate "
+                   "and remove the noise; this guarantee holds only while that seed stays secret.",
+    "secure": "Noise and batches were drawn from OS entropy draw by draw: nothing stored can reproduce them.",
+}
+
+
 def privacy_statement(ledger: PrivacyLedger, delta: float, dataset_size: int | None = None,
-                      unit: str = "example", secure: bool | None = None) -> str:
-    """``secure``: True if the secret randomness came from OS entropy, False if it was derived from the run's
-    seed (then the guarantee needs that seed kept secret), None if the caller does not say."""
+                      unit: str = "example", randomness: str | None = None) -> str:
+    """``randomness``: how the secret streams were keyed (a key of ``RANDOMNESS``), None if the caller does
+    not say."""
     eps = ledger.epsilon(delta)
     if math.isinf(eps):
         lines = ["Privacy statement", "-----------------",
@@ -46,11 +55,7 @@ def privacy_statement(ledger: PrivacyLedger, delta: float, dataset_size: int | N
         f"Meaning: for any {unit} and any set of outcomes S, P[run on D in S] <= e^{eps:.3g} P[run on D' in S] + {delta:.3g}"
         f" for neighbouring D, D'. The guarantee covers the released model and every intermediate iterate;"
         f" it assumes the clip bound held for every {unit}, which the engine enforces, and that checkpoints"
-        f" (which hold the secret noise seed) are not published.")
-    if secure is True:
-        lines.append("Noise and batches were drawn from OS entropy: nothing stored can reproduce them.")
-    elif secure is False:
-        lines.append("Noise and batches were derived from the run's seed, so the guarantee also needs that seed "
-                     "kept secret: checkpoints and metrics.json record it (metrics.json's training losses are not "
-                     "private either). Train with --secure for a model you publish.")
+        f" (which hold the secret key) are not published.")
+    if randomness is not None:
+        lines.append(RANDOMNESS[randomness])
     return "\n".join(lines)
