@@ -36,7 +36,7 @@ def float64_digits(monkeypatch):
 def run_steps(algorithm: str, physical: int | None, clipping: str = "flat", steps: int = 3, batch: int = 96,
               sampling: str = "auto", **hp):
     config = TrainConfig(algorithm=algorithm, dataset="digits", model="mlp", noise_multiplier=0.01, epochs=1,
-                         batch_size=batch, clipping=clipping, sampling=sampling, seed=0,
+                         batch_size=batch, clipping=clipping, sampling=sampling, seed=0, secret_seed=0,
                          hp=dataclasses.replace(Hyperparameters(), **hp))
     run = build_run(config, log=lambda _: None)
     run.optimizer.physical_batch_size = physical
