@@ -73,6 +73,7 @@ class TrainConfig:
     per_example: str = "hooks"
     strategy: str = "auto"
     download: bool = False
+    physical_batch_size: int = 256  # examples per forward/backward; a logical batch of at most this many is one pass
     checkpoint_every: int = 0  # also checkpoint after every N-th step within an epoch (0: at epoch ends only)
     trainable: str | None = None  # regular expression: train only the parameters whose names it matches
     calibration: str = "accountant"  # or "advanced-composition" (DPZero Lemma 2.2: loose, for faithful reproductions)
@@ -102,6 +103,8 @@ class TrainConfig:
         if self.secure and self.secret_seed is not None:
             raise ValueError("--secure draws every secret number from OS entropy and takes no --secret-seed "
                              "(replayable noise); give one or the other")
+        if not (isinstance(self.physical_batch_size, int) and self.physical_batch_size >= 1):
+            raise ValueError(f"the physical batch size must be an integer >= 1, got {self.physical_batch_size}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0 steps (0: at the end of each epoch only), "
                              f"got {self.checkpoint_every}")
@@ -220,7 +223,9 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel:
     ledger = PrivacyLedger(config.relation, config.accountant)
     noise = build_run_noise(config, sampler, total, clipping.sensitivity, SecretStream(key, "noise"), log)
     privatizer = Privatizer(clipping, noise, sampler, ledger, parallel)
-    optimizer = build_algorithm(config.algorithm, engine, privatizer, config.hp)
+    if config.physical_batch_size > n:
+        raise ValueError(f"the physical batch size ({config.physical_batch_size}) exceeds the {n} training examples")
+    optimizer = build_algorithm(config.algorithm, engine, privatizer, config.hp, config.physical_batch_size)
     return Run(config, data, model, optimizer, sampler, ledger, total, key)
 
 

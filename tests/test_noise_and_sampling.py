@@ -130,3 +130,16 @@ def test_release_is_recorded_every_step():
     for _ in range(7):
         opt.step(data)
     assert p.ledger.steps == 7 and opt.steps == 7
+
+
+def test_secure_noise_is_added_in_float64_and_rounded_once(monkeypatch):
+    """Secure mode's float64 normals are added to float32 sums in float64 and rounded once, so the output is
+    the correctly rounded x + std * n (not x + round(std * n), whose grid depends on the noise alone)."""
+    from dpopt.noise import rng
+
+    draws = torch.randn(4096, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(rng, "_os_normal", lambda n: draws[:n])
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(2))
+    got = rng.SecretStream(None, "noise").add_normal_([x.clone()], step=0, std=3.3)[0]
+    assert torch.equal(got, (x.double() + 3.3 * draws).float())
+    assert not torch.equal(got, x + (3.3 * draws).float())

@@ -106,6 +106,9 @@ def test_missing_and_corrupt_checkpoints(tmp_path, capsys):
     (["--trainable", "("], "not a regular expression"),
     (["--trainable", "head"], "matches no parameter of the model; its parameters are named 1.weight"),
     (["--secret-seed", "1", "--secure"], "not allowed with argument --secret-seed"),
+    (["--physical-batch-size", "0"], "physical batch size must be an integer >= 1"),
+    (["--physical-batch-size", "-4"], "physical batch size must be an integer >= 1"),
+    (["--physical-batch-size", "5000"], "physical batch size (5000) exceeds the 1437 training examples"),
 ])
 def test_bad_input_gets_a_clear_error(args, message, capsys):
     with pytest.raises(SystemExit) as e:
