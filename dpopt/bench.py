@@ -8,7 +8,8 @@ own process, timed and measured side by side.
   ``max_memory_allocated``: the tensors alive when the step starts (model, optimizer state, data) plus the
   peak of the running sum of the allocator's records (every allocation and free) in time order. It counts
   what the step needs, independent of allocator caching and of the libraries a system imports;
-* ``rss_mb``: the process's peak resident set size over the timed steps (Linux VmHWM), for reference.
+* ``rss_mb``: the process's peak resident set size over the timed steps (Linux VmHWM), for reference;
+  ``data_mb``: the bytes of the data set the steps sample from (part of ``peak_mb``);
 * with ``--interleave``, ``interleaved_cpu_s``: median CPU seconds per step with every system that ran built
   in one more process and stepped in turn, so that other processes' load falls on all of them alike;
 * ``faults_per_step``: minor page faults per timed step. Under glibc's default heap heuristics a process
@@ -52,6 +53,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 SYSTEMS = ("pytorch", "dpopt", "dpopt-materialize", "opacus-hooks", "opacus-ghost", "dp-grape", "dp-galore",
            "galore", "dpzero", "disk-sgd", "dp-srg-memf")
@@ -72,11 +74,13 @@ class Case:
     optimizer: str = "sgd"
     rank: int = 16  # dp-grape, dp-galore, galore
     threads: int = 2
+    physical: int | None = None  # dpopt's physical batch size (None: the whole batch in one pass)
 
     @property
     def label(self) -> str:
         seq = f" s{self.seq}" if self.workload != "cnn" else ""
-        return f"{self.workload} b{self.batch}{seq} {self.optimizer}"
+        physical = f" p{self.physical}" if self.physical else ""
+        return f"{self.workload} b{self.batch}{seq}{physical} {self.optimizer}"
 
 
 def _rss_mb(key: str) -> float:
@@ -185,7 +189,7 @@ def _step_fn(system: str, case: Case, model: nn.Module, dataset: Any, loss: Call
                                 FixedOrderSampler(n, n, SecretStream(0, "sampling")), PrivacyLedger())
         algorithm = system if system not in ("dpopt", "dpopt-materialize") else f"dp-{case.optimizer}"
         engine = PerExampleEngine(model, loss, strategy="materialize" if system == "dpopt-materialize" else "auto")
-        opt = build_algorithm(algorithm, engine, privatizer, Hyperparameters(lr=0.01, rank=case.rank))
+        opt = build_algorithm(algorithm, engine, privatizer, Hyperparameters(lr=0.01, rank=case.rank), case.physical)
         if not opt.verified:
             opt.verify(dataset)  # the one-time self-check, outside the timed step
         return lambda: opt.step(dataset)
@@ -236,8 +240,9 @@ def worker(system: str, case: Case, warmup: int, steps: int) -> dict[str, float]
         cpu.append(time.process_time() - start_cpu)
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps
     rss = _rss_mb("VmHWM")
+    data_mb = sum(t.numel() * t.element_size() for t in tree_flatten(data)[0] if isinstance(t, torch.Tensor)) / 2**20
     return {"s_per_step": statistics.median(times), "cpu_s_per_step": statistics.median(cpu),
-            "peak_mb": peak_tensor_mb(step), "rss_mb": rss, "faults_per_step": faults}
+            "peak_mb": peak_tensor_mb(step), "rss_mb": rss, "faults_per_step": faults, "data_mb": data_mb}
 
 
 def cpu_medians_in_turn(calls: dict[str, Callable[[], object]], rounds: int, warmup: int = 0) -> dict[str, float]:
@@ -336,6 +341,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd", help="base optimizer of every system")
     p.add_argument("--rank", type=int, default=16, help="projection rank of dp-grape, dp-galore and galore")
     p.add_argument("--threads", type=int, default=2, help="torch threads of each measured process")
+    p.add_argument("--physical-batch-size", type=int, metavar="N",
+                   help="dpopt systems: process the batch in chunks of N examples (one release per step)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(DEFAULT_SYSTEMS))
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
@@ -355,7 +362,8 @@ def run(args: argparse.Namespace) -> int:
         cases = [dataclasses.replace(c, threads=args.threads) for c in (SUITE if args.suite else SCALING)]
         systems = tuple(args.systems) if args.suite else ("pytorch", "dpopt")
     elif args.workload and args.batch:
-        cases = [Case(args.workload, args.batch, args.seq, args.optimizer, args.rank, args.threads)]
+        cases = [Case(args.workload, args.batch, args.seq, args.optimizer, args.rank, args.threads,
+                      args.physical_batch_size)]
         systems = tuple(args.systems)
     else:
         raise ValueError("give --workload and --batch, or --suite, or --scaling")
