@@ -87,15 +87,18 @@ class PerExampleStatistic(Protocol):
     def weighted_sum(self, weights: torch.Tensor, release: bool = False) -> list[torch.Tensor]: ...
     # sum_i w_i g_i per tensor; release: the statistic may free its storage as it goes (used once)
 
-    def clipped_sum(self, weigh: Callable[[torch.Tensor], torch.Tensor], release: bool = False) -> list[torch.Tensor]:
+    def clipped_sum(self, weigh: Callable[[torch.Tensor], torch.Tensor], release: bool = False,
+                    into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """sum_i w_i g_i with w = ``weigh``(squared norms of a set of rows) [n, P], called once for every
-        example. This default weighs the whole batch at once; a statistic that forms per-example vectors a
-        chunk of examples at a time may weigh each chunk as it is formed, to sum the same vectors."""
-        return self.weighted_sum(weigh(self.sq_norms()), release)
+        example, added to the running sums ``into`` if given. This default weighs the whole batch at once; a
+        statistic that forms per-example vectors a chunk of examples at a time may weigh each chunk as it is
+        formed, to sum the same vectors."""
+        sums = self.weighted_sum(weigh(self.sq_norms()), release)
+        return sums if into is None else [a.add_(b) for a, b in zip(into, sums)]
 
 
-def clip_and_sum(grads: PerExampleStatistic, clipping: Clipping,
-                 release: bool = False) -> tuple[list[torch.Tensor], ClipStats]:
+def clip_and_sum(grads: PerExampleStatistic, clipping: Clipping, release: bool = False,
+                 into: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], ClipStats]:
     """The clipped sum sum_i clip(g_i) per parameter (``clipped_sum``, weights from ``Clipping.weights``);
     ``release`` lets the statistic free its per-example storage while summing (the private step's use)."""
     nonfinite = 0
@@ -106,5 +109,5 @@ def clip_and_sum(grads: PerExampleStatistic, clipping: Clipping,
         nonfinite += int((~finite).sum())
         return w
 
-    sums = grads.clipped_sum(weigh, release)
+    sums = grads.clipped_sum(weigh, release, into)
     return sums, ClipStats(grads.batch_size, nonfinite)

@@ -61,10 +61,12 @@ class Privatizer:
             sums, stats = self.clip(grads)
         return self.release(sums, step), stats
 
-    def clip(self, grads: PerExampleStatistic) -> tuple[list[torch.Tensor], ClipStats]:
-        """Stage 3 for one physical batch: sum_i clip(g_i). The statistic is used up (its storage is freed as it
-        is summed). Releases nothing: a logical step adds the sums of its physical batches, then ``release``."""
-        return clip_and_sum(grads, self.clipping, release=True)
+    def clip(self, grads: PerExampleStatistic,
+             into: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], ClipStats]:
+        """Stage 3 for one physical batch: sum_i clip(g_i), added to the running sums ``into`` if given. The
+        statistic is used up (its storage is freed as it is summed). Releases nothing: a logical step adds up
+        the sums of its physical batches, then calls ``release`` once."""
+        return clip_and_sum(grads, self.clipping, release=True, into=into)
 
     def release(self, sums: list[torch.Tensor], step: int) -> list[torch.Tensor]:
         """Stage 4, once per logical step: (sums + noise) / normaliser, recorded in the ledger (in place)."""
@@ -162,8 +164,7 @@ class DPOptimizer:
             grads = self.statistic(take(data, part))
             if grads.losses is not None:
                 losses.append(grads.losses[torch.isfinite(grads.losses)])
-            clipped, stats = self.privatizer.clip(grads)
-            sums = clipped if sums is None else [a.add_(b) for a, b in zip(sums, clipped)]
+            sums, stats = self.privatizer.clip(grads, into=sums)
             examples, nonfinite = examples + stats.examples, nonfinite + stats.nonfinite
         if sums is None:  # an empty batch: noise alone
             sums = [torch.zeros(s, device=self.params[0].device) for s in self.shapes]

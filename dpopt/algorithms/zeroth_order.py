@@ -56,9 +56,12 @@ class NonPrivate(Privatizer):
             raise ValueError("a non-private baseline adds no noise: build it with noise multiplier 0 "
                              f"(got {self.noise.noise_multiplier}), and do not give it a privacy target")
 
-    def clip(self, grads: PerExampleStatistic) -> tuple[list[torch.Tensor], ClipStats]:
+    def clip(self, grads: PerExampleStatistic,
+             into: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], ClipStats]:
         finite = torch.isfinite(grads.sq_norms().sum(1))
-        return grads.weighted_sum(finite.to(torch.float64)), ClipStats(grads.batch_size, int((~finite).sum()))
+        sums = grads.weighted_sum(finite.to(torch.float64))
+        sums = sums if into is None else [a.add_(b) for a, b in zip(into, sums)]
+        return sums, ClipStats(grads.batch_size, int((~finite).sum()))
 
     def release(self, sums: list[torch.Tensor], step: int) -> list[torch.Tensor]:
         self.ledger.record(GaussianRelease(0.0, self.sampler.participation))

@@ -165,22 +165,26 @@ class PerExampleGradients(PerExampleStatistic):
                 cols.append(c * c * capture_sq_norms(t))
         return torch.stack(cols, 1)
 
-    def weighted_sum(self, weights: torch.Tensor, release: bool = False) -> list[torch.Tensor]:
+    def weighted_sum(self, weights: torch.Tensor, release: bool = False,
+                     into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """sum_i w_i g_i per parameter; ``weights`` is [B] or [B, P]. Examples of weight 0 are left out
         entirely, so a non-finite gradient given weight 0 contributes exactly zero. Parameters are summed
         last to first; ``release`` drops each parameter's captures as soon as its sum exists (the object is
         spent afterwards), so the sums of the first parameters — an embedding table's, say — are allocated
-        when the other captures are already gone and the step's peak memory stays near a plain backward's."""
+        when the other captures are already gone and the step's peak memory stays near a plain backward's.
+        ``into``: running sums (a logical step's, over its physical batches) that each parameter's sum is added
+        to as soon as it exists, so at most one parameter's sum is held besides them."""
         self._check_alive()
         self._settle()
         if weights.dim() == 1:
             weights = weights.unsqueeze(1).expand(-1, len(self.terms))
-        sums = self._sums(weights, range(len(self.terms)), release)
+        sums = self._sums(weights, range(len(self.terms)), release, into)
         if release:
             self.released = True
         return sums
 
-    def clipped_sum(self, weigh: Callable[[torch.Tensor], torch.Tensor], release: bool = False) -> list[torch.Tensor]:
+    def clipped_sum(self, weigh: Callable[[torch.Tensor], torch.Tensor], release: bool = False,
+                    into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """sum_i w_i g_i per parameter with weights w = ``weigh``(squared norms) [n, P], computed for rows of
         examples (the clip stage). The parameters normed from materialised per-example vectors (convolutions,
         combinations) are materialised once, a chunk of examples at a time, when they are small enough to be
@@ -191,7 +195,7 @@ class PerExampleGradients(PerExampleStatistic):
         direct = [j for j, ts in enumerate(self.terms) if self._combined(j) or (ts and by_materializing(ts[0][1]))]
         per_example = sum(self.shapes[j].numel() for j in direct)
         if not direct or per_example > CHUNK_ELEMENTS // 2:
-            return self.weighted_sum(weigh(self.sq_norms()), release)
+            return self.weighted_sum(weigh(self.sq_norms()), release, into)
         sq = self.sq_norms(skip=direct)
         sums: dict[int, torch.Tensor | None] = {j: None for j in direct}
         unflat = {j: self._unflat(j) for j in direct}
@@ -208,9 +212,10 @@ class PerExampleGradients(PerExampleStatistic):
         if release:
             for j in direct:
                 self.terms[j] = []
-        out = self._sums(torch.cat(weights), [j for j in range(len(self.terms)) if j not in sums], release)
+        out = self._sums(torch.cat(weights), [j for j in range(len(self.terms)) if j not in sums], release, into)
         for j, total in sums.items():
-            out[j] = unflat[j](total)
+            total = unflat[j](total)
+            out[j] = total if into is None else into[j].add_(total)
         if release:
             self.released = True
         return out
@@ -241,8 +246,10 @@ class PerExampleGradients(PerExampleStatistic):
         dtype = self.engine.params[j].dtype
         return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
-    def _sums(self, weights: torch.Tensor, params: Iterable[int], release: bool) -> list[torch.Tensor]:
-        """``weighted_sum`` for the parameters in ``params`` (last to first); the others' entries are empty."""
+    def _sums(self, weights: torch.Tensor, params: Iterable[int], release: bool,
+              into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """``weighted_sum`` for the parameters in ``params`` (last to first), added to ``into`` if given; the
+        others' entries are empty."""
         keep = (weights != 0).any(1)
         rows = None if bool(keep.all()) else keep.nonzero().squeeze(1)
         sums: list[torch.Tensor] = [torch.empty(0)] * len(self.terms)
@@ -265,7 +272,11 @@ class PerExampleGradients(PerExampleStatistic):
             if release:
                 self.terms[j] = []
                 del ts
-            sums[j] = torch.zeros(shape, device=p.device, dtype=dtype) if acc is None else acc.view(shape)
+            if into is not None:
+                sums[j] = into[j] if acc is None else into[j].add_(acc.view(shape))
+            else:
+                sums[j] = torch.zeros(shape, device=p.device, dtype=dtype) if acc is None else acc.view(shape)
+            del acc
         return sums
 
     def _check_alive(self) -> None:
