@@ -3,6 +3,7 @@
 from dpopt.grad.captures import Capture, Dense, Outer, sq_norms
 from dpopt.grad.engine import (ExampleMixingError, PerExampleEngine, PerExampleGradients, batch_size_of,
                                check_per_example)
+from dpopt.grad.rules import register_rule
 
 __all__ = ["Capture", "Dense", "ExampleMixingError", "Outer", "PerExampleEngine", "PerExampleGradients",
-           "batch_size_of", "check_per_example", "sq_norms"]
+           "batch_size_of", "check_per_example", "register_rule", "sq_norms"]

@@ -30,6 +30,19 @@ def _linear(module: nn.Linear, x: torch.Tensor, g: torch.Tensor, wanted: set[str
     return out
 
 
+def _transposed_linear(module: nn.Module, x: torch.Tensor, g: torch.Tensor, wanted: set[str]) -> dict[str, Capture]:
+    """GPT-2's ``transformers.pytorch_utils.Conv1D``: y = x W + b with W of shape [in, out], a Linear whose
+    weight is stored transposed, so its per-example gradient is sum_t x_t (x) g_t."""
+    b, (fan_in, fan_out) = x.shape[0], module.weight.shape
+    gy = g.reshape(b, -1, fan_out)
+    out: dict[str, Capture] = {}
+    if "weight" in wanted:
+        out["weight"] = Outer(x.reshape(b, -1, fan_in), gy, fan_in, module.weight.shape)
+    if "bias" in wanted:
+        out["bias"] = Dense(gy.sum(1), (fan_out,))
+    return out
+
+
 def _conv(module: nn.Conv1d | nn.Conv2d, x: torch.Tensor, g: torch.Tensor, wanted: set[str]) -> dict[str, Capture]:
     b, c_out = g.shape[:2]
     kernel, stride, dilation = module.kernel_size, module.stride, module.dilation
@@ -101,13 +114,36 @@ RULES: dict[type[nn.Module], Rule] = {
 }
 
 
+# Layers of optional libraries, by qualified class name: looked up without importing the library.
+RULES_BY_NAME: dict[str, Rule] = {"transformers.pytorch_utils.Conv1D": _transposed_linear}
+
 # Rules that treat every leading dimension after the batch as tokens: a layer fed [B*k, ...] rows can be
 # regrouped as [B, k, ...] for them.
-TOKENWISE: set[Rule] = {_linear, _embedding, _layer_norm, _rms_norm}
+TOKENWISE: set[Rule] = {_linear, _embedding, _layer_norm, _rms_norm, _transposed_linear}
+
+
+def register_rule(layer: type[nn.Module], tokenwise: bool = False) -> Callable[[Rule], Rule]:
+    """Decorator: ``rule(module, x, g, wanted) -> {parameter name: Capture}`` computes the per-example
+    gradients of the parameters of ``layer`` named in ``wanted`` from its input ``x`` and output gradient ``g``
+    (batch first; ``Outer`` for sums of outer products, ``Dense`` for per-example tensors). It applies to modules
+    whose class is ``layer`` or a subclass that keeps its ``forward``; every model is still verified against
+    single-example backward passes before its first release, so a wrong rule is refused, not trusted.
+    ``tokenwise``: the rule accepts [B, k, ...] inputs, so a layer fed B*k flattened rows can be regrouped."""
+
+    def register(rule: Rule) -> Rule:
+        RULES[layer] = rule
+        if tokenwise:
+            TOKENWISE.add(rule)
+        return rule
+
+    return register
 
 
 def rule_for(module: nn.Module) -> Rule | None:
     """The layer rule for ``module``, or None when the generic fallback must handle it."""
+    name = f"{type(module).__module__}.{type(module).__qualname__}"
+    if name in RULES_BY_NAME:
+        return RULES_BY_NAME[name]
     for base, rule in RULES.items():
         if isinstance(module, base) and type(module).forward is base.forward:
             if isinstance(module, nn.Embedding) and (module.sparse or module.scale_grad_by_freq):
