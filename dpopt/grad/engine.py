@@ -104,6 +104,7 @@ class PerExampleGradients(PerExampleStatistic):
         self.engine, self.batch_size, self.terms, self.losses = engine, batch_size, terms, losses
         self.shapes = engine.shapes
         self.released = False
+        self.settled = False  # one-hot captures merged (``_settle``)
 
     @property
     def groups(self) -> list[int]:
@@ -142,9 +143,12 @@ class PerExampleGradients(PerExampleStatistic):
     # coefficients nearly cancel (DiSK's c = 43 at gamma = 0.01 and 1 - c; SRG's eta and -(eta - 1)), and
     # the clip bound is lost. One-hot captures are merged instead (``coalesce``): exact, and cheap.
     def _settle(self) -> None:
+        if self.settled:
+            return
         for j, ts in enumerate(self.terms):
             if ts and all(isinstance(t, Outer) and t.indexed for _, t in ts) and (len(ts) > 1 or ts[0][1].steps > 1):
                 self.terms[j] = [(1.0, coalesce(ts))]
+        self.settled = True
 
     def _combined(self, j: int) -> bool:
         return len(self.terms[j]) > 1
@@ -159,7 +163,8 @@ class PerExampleGradients(PerExampleStatistic):
             if j in skip or not ts:
                 cols.append(torch.zeros(self.batch_size, device=p.device, dtype=torch.float32))
             elif self._combined(j):
-                cols.append(torch.cat([inner_dense(g, g) for g in map(lambda s: self._flat(j, s), self._chunks(j))]))
+                flats = (self._flat(j, s) for s in self._chunks(j))
+                cols.append(torch.cat([inner_dense(g, g) for g in flats]))
             else:
                 c, t = ts[0]
                 cols.append(c * c * capture_sq_norms(t))
