@@ -10,8 +10,8 @@ own process, timed and measured side by side.
   what the step needs, independent of allocator caching and of the libraries a system imports;
 * ``rss_mb``: the process's peak resident set size over the timed steps (Linux VmHWM), for reference;
   ``data_mb``: the bytes of the data set the steps sample from (part of ``peak_mb``);
-* with ``--interleave``, ``interleaved_cpu_s``: median CPU seconds per step with every system that ran built
-  in one more process and stepped in turn, so that other processes' load falls on all of them alike;
+* ``interleaved_cpu_s`` (unless ``--no-interleave``): median CPU seconds per step with every system that ran
+  built in one more process and stepped in turn, so that other processes' load falls on all of them alike;
 * ``faults_per_step``: minor page faults per timed step. Under glibc's default heap heuristics a process
   often returns the memory a step freed to the OS and faults it back in the next step (about 3,000 faults,
   4 ms of system time per step for the CNN at batch 256), or not, by luck of its allocation history: the
@@ -73,7 +73,7 @@ class Case:
     seq: int = 64
     optimizer: str = "sgd"
     rank: int = 16  # dp-grape, dp-galore, galore
-    threads: int = 2
+    threads: int = 1
     physical: int | None = None  # dpopt's physical batch size (None: the whole batch in one pass)
 
     @property
@@ -340,21 +340,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=64, help="sequence length (bert, minilm)")
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd", help="base optimizer of every system")
     p.add_argument("--rank", type=int, default=16, help="projection rank of dp-grape, dp-galore and galore")
-    p.add_argument("--threads", type=int, default=2, help="torch threads of each measured process")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of each measured process (1: fair on a shared machine, where waiting "
+                        "OpenMP threads slow some systems more than others)")
     p.add_argument("--physical-batch-size", type=int, metavar="N",
                    help="dpopt systems: process the batch in chunks of N examples (one release per step)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(DEFAULT_SYSTEMS))
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--repeats", type=int, default=1, help="run the systems in turn this many times; keep each one's fastest")
-    p.add_argument("--interleave", action="store_true",
-                   help="also time the systems stepped in turn in one process (CPU time; for shared machines)")
+    p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the systems stepped in turn in one process (CPU time: the fair comparison on a "
+                        "shared machine)")
     p.add_argument("--steady-heap", action="store_true",
                    help="run every system with a glibc heap that keeps freed memory (few page faults from step to step)")
     p.add_argument("--suite", action="store_true", help="the issue's table: cnn 256/1024, bert 32/64 (seq 64)")
     p.add_argument("--scaling", action="store_true", help="pytorch vs dpopt over batch size and sequence length")
     p.add_argument("--json", action="store_true", help="print one JSON object (single workload)")
     p.add_argument("--out", help="folder for bench.json and bench.md")
+
+
+def method(args: argparse.Namespace) -> str:
+    """How this bench measures, for its output."""
+    line = (f"measured: {args.threads} torch thread{'s' * (args.threads > 1)} per system, each system in its own "
+            f"process (median of {args.steps} steps after {args.warmup} warm-up)")
+    if args.interleave:
+        return line + ("; then all systems stepped in turn in one process: the 'interleaved' CPU-time ratio is the "
+                       "fair comparison on a shared machine (docs/performance.md)")
+    return line + "; not interleaved (--no-interleave): on a shared machine, load from other processes may fall on " \
+                  "one system more than another"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -367,6 +381,7 @@ def run(args: argparse.Namespace) -> int:
         systems = tuple(args.systems)
     else:
         raise ValueError("give --workload and --batch, or --suite, or --scaling")
+    print(method(args), file=sys.stderr if args.json else sys.stdout, flush=True)
     rows = []
     for case in cases:
         rows.append((case.label, compare(case, systems, args.warmup, args.steps, args.repeats, args.interleave,
@@ -379,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "bench.json").write_text(json.dumps({label: r for label, r in rows}, indent=2))
-        (out / "bench.md").write_text(markdown(rows) + "\n")
+        (out / "bench.md").write_text(f"{method(args)}\n\n{markdown(rows)}\n")
     return 0
 
 

@@ -4,12 +4,14 @@ A checkpoint is written to a temporary file in the same folder, flushed to disk,
 old one (an atomic replace on POSIX), so a crash at any instant leaves either the old or the new
 checkpoint; a temporary file left by a killed writer is removed by the next write. The same holds for
 ``write_atomic`` (metrics.json). A checkpoint holds the run's secret key: it is for resuming, not for
-publishing.
+publishing. ``claim_run_folder`` checks an output folder before a run starts.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, IO
 
@@ -41,6 +43,35 @@ def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     finally:
         os.close(dir_fd)
     return final
+
+
+def check_writable(folder: str | os.PathLike) -> Path:
+    """Create ``folder`` if needed and check that a file can be written in it, before any work is done."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ValueError(f"cannot write to the output folder {folder}: {e.strerror or e}") from None
+    return folder
+
+
+def claim_run_folder(folder: str | os.PathLike, files: tuple[str, ...], overwrite: bool = False,
+                     hint: str = "") -> Path:
+    """Check ``folder`` for a new run that writes ``files``: one already there means an existing run, refused
+    unless ``overwrite`` (which removes them; nothing else in the folder is touched); ``hint`` ends the refusal.
+    The folder must be writable."""
+    folder = Path(folder)
+    old = [name for name in files if (folder / name).exists()]
+    if old and not overwrite:
+        raise ValueError(f"{folder} already holds a run ({', '.join(old)}); {hint}replace it with --overwrite, "
+                         "or choose another --out")
+    check_writable(folder)
+    for name in old:
+        path = folder / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return folder
 
 
 def save_checkpoint(folder: str | os.PathLike, state: dict[str, Any]) -> Path:

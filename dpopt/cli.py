@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import difflib
 import importlib
 import json
 import os
 import sys
+import textwrap
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from dpopt.algorithms import ALGORITHMS, NON_PRIVATE, Hyperparameters
-from dpopt.checkpoint import CheckpointError
+from dpopt.checkpoint import CHECKPOINT, CheckpointError, check_writable, claim_run_folder, load_checkpoint
 from dpopt.clipping import CLIP_MODES
 from dpopt.data.datasets import DATASETS, DatasetNotFound
 from dpopt.data.samplers import SAMPLINGS
@@ -22,9 +25,40 @@ from dpopt.models import MODELS
 from dpopt.noise.mechanisms import NOISES
 from dpopt.privacy import (AccountingError, FixedParticipation, GaussianRelease, PoissonSampling, Relation,
                            epsilon_of, noise_multiplier_for)
-from dpopt.train import CALIBRATIONS, TrainConfig, resume, train
+from dpopt.report import CURVES, LOG, TENSORBOARD
+from dpopt.train import CALIBRATIONS, MODEL_DIR, TrainConfig, extended, resume, train
 
 DEFAULT_EPSILON = 2.0
+RUN_FILES = (CHECKPOINT, "metrics.json", LOG, CURVES, TENSORBOARD, MODEL_DIR)  # what dpopt train writes in --out
+
+
+def did_you_mean(name: str, names: Sequence[str]) -> str:
+    """"; did you mean 'x'?" for the name in ``names`` closest to a mistyped ``name``, or ""."""
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.7)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Short errors: the message, a "did you mean" for a mistyped name, and where the usage is (exit 2)."""
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        if action.choices is not None and value not in action.choices:
+            names = [str(c) for c in action.choices]
+            raise argparse.ArgumentError(action, f"invalid choice {value!r}{did_you_mean(str(value), names)} "
+                                                 f"(choose from {', '.join(names)})")
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> argparse.Namespace:
+        known, extras = self.parse_known_args(args, namespace)
+        if extras:  # refused by the subcommand's parser, with its options to suggest
+            command = getattr(known, "command", None)
+            sub = next((a.choices[command] for a in self._actions
+                        if isinstance(a, argparse._SubParsersAction) and command in a.choices), self)
+            options = [o for a in sub._actions for o in a.option_strings]
+            sub.error(f"unrecognized arguments: {' '.join(extras)}{did_you_mean(extras[0], options)}")
+        return known
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"dpopt: error: {message}\nrun '{self.prog} --help' for usage\n")
 
 
 def _positive_int(text: str) -> int:
@@ -87,7 +121,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--strategy", default=d.strategy, choices=STRATEGIES,
                    help="per layer: ghost norms + book-keeping, materialised per-example gradients, or auto")
     p.add_argument("--download", action="store_true", help="allow downloading a dataset that is not on disk")
-    p.add_argument("--out", help="run folder: checkpoints every epoch and metrics.json")
+    p.add_argument("--out", help="run folder: checkpoints, metrics.json (from the first evaluation on), train.log, "
+                                 "curves.png, TensorBoard events (with tensorboard) and model/; an existing run "
+                                 "there is refused unless --overwrite")
+    p.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, metavar="N",
                    help="also checkpoint after every N-th step within an epoch, so a crash loses at most N steps "
                         "(0: at epoch ends only)")
@@ -98,7 +135,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trainable", metavar="REGEX",
                    help="train only the parameters whose names match this regular expression (e.g. 'head|bias' "
                         "for a head plus BitFit); the others stay frozen at their pretrained values")
-    p.add_argument("--resume", metavar="DIR", help="continue the run whose checkpoint is in DIR")
+    p.add_argument("--resume", metavar="DIR", help="continue the run whose checkpoint is in DIR; a larger --epochs "
+                   "extends it, any other flag that differs from the run's is refused")
     p.add_argument("--nproc", type=_positive_int, default=1,
                    help="data-parallel: split each step over N local processes (gloo); under torchrun the "
                         "launcher's RANK/WORLD_SIZE are used instead")
@@ -145,7 +183,8 @@ def command(name: str, add: Callable[[argparse._SubParsersAction], None]):
 
 def _add_reproduce(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("reproduce", help="run a paper reproduction from the repository's experiments/ folder",
-                       add_help=False)
+                       add_help=False)  # NAME --help goes to the experiment
+    p.add_argument("-h", "--help", action="store_true", help="list the reproductions")
     p.add_argument("name", nargs="?", help="experiment module (experiments/NAME.py); omit to list them")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the experiment (try --help)")
 
@@ -154,15 +193,24 @@ def _experiments_dir() -> Path:
     return Path(__file__).resolve().parents[1] / "experiments"
 
 
+def _summary(path: Path) -> str:
+    """The first paragraph of a module's docstring, shortened to one line."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    return textwrap.shorten(" ".join(doc.split("\n\n")[0].split()), 110, placeholder=" ...")
+
+
 @command("reproduce", _add_reproduce)
 def _reproduce(args: argparse.Namespace) -> int:
     folder = _experiments_dir()
     names = sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_"))
-    if not args.name:
-        print("\n".join(names))
+    if args.help or not args.name:
+        width = max(map(len, names))
+        print("usage: dpopt reproduce NAME [ARGS ...]   (dpopt reproduce NAME --help: the experiment's own flags)\n")
+        print("\n".join(f"{n:<{width}}  {_summary(folder / f'{n}.py')}" for n in names))
         return 0
     if args.name not in names:
-        raise ValueError(f"unknown experiment {args.name!r}; choose one of {', '.join(names)}")
+        raise ValueError(f"unknown experiment {args.name!r}{did_you_mean(args.name, names)} "
+                         f"(choose one of {', '.join(names)})")
     if str(folder.parent) not in sys.path:
         sys.path.insert(0, str(folder.parent))
     module = importlib.import_module(f"experiments.{args.name}")
@@ -212,7 +260,7 @@ def _audit(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="dpopt", description="Differentially private training for PyTorch.")
+    top = _Parser(prog="dpopt", description="Differentially private training for PyTorch.")
     sub = top.add_subparsers(dest="command")
     for add, _ in COMMANDS.values():
         add(sub)
@@ -220,20 +268,59 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _run_training(parallel: DataParallel | None, config: TrainConfig | None, out: str | None,
-                  resume_from: str | None, progress: bool) -> None:
+                  resume_from: str | None, progress: bool, epochs: int | None = None) -> None:
     """One process's part of ``dpopt train`` (all of it without ``parallel``); rank 0 prints."""
-    metrics = (resume(resume_from, progress, parallel=parallel) if resume_from
+    metrics = (resume(resume_from, progress, parallel=parallel, epochs=epochs) if resume_from
                else train(config, out, progress, parallel=parallel))
     if parallel is None or parallel.lead:
         print(f"test accuracy {metrics['test_accuracy']:.4f} at epsilon {metrics['epsilon']:.4f} "
               f"(delta {metrics['delta']:g}) after {metrics['steps']} steps, {metrics['wall_time_s']:.1f} s")
 
 
+FREE_ON_RESUME = {"resume", "no_progress", "nproc", "download", "epochs"}  # how to run; epochs: see extended
+
+
+def _given(argv: list[str]) -> set[str]:
+    """The options given on the command line: ``argv`` parsed again with every default suppressed."""
+    top = parser()
+    for action in top._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for p in action.choices.values():
+                for a in p._actions:
+                    a.default = argparse.SUPPRESS
+    return set(vars(top.parse_args(argv))) - {"command"}
+
+
+def _resume_differences(args: argparse.Namespace, given: set[str], saved: TrainConfig) -> list[str]:
+    """The flags given beside --resume whose values differ from the run's, as '--flag value (the run has x)'."""
+    run = {**dataclasses.asdict(saved.hp), **{f.name: getattr(saved, f.name) for f in dataclasses.fields(saved)},
+           "out": args.resume, "overwrite": False}
+    differences = []
+    for name in sorted(given - FREE_ON_RESUME):
+        value, theirs = getattr(args, name), run[name]
+        value = tuple(value) if isinstance(value, list) else value
+        if name == "out":
+            value, theirs = Path(value).resolve(), Path(theirs).resolve()
+        if value != theirs:
+            differences.append(f"--{name.replace('_', '-')} {value} (the run has {theirs})")
+    return differences
+
+
 @command("train", _add_train)
 def _train(args: argparse.Namespace) -> int:
     progress = not args.no_progress
-    config = None
-    if not args.resume:
+    config = epochs = None
+    if args.resume:
+        saved = TrainConfig.from_dict(load_checkpoint(args.resume)["config"])
+        given = _given(args.argv)
+        differences = _resume_differences(args, given, saved)
+        if differences:
+            raise ValueError("--resume continues the run as configured, and only a larger --epochs may extend it; "
+                             f"these flags differ from the run's: {'; '.join(differences)}")
+        epochs = args.epochs if "epochs" in given else None
+        extended(saved, epochs)  # refuses before anything starts
+        check_writable(args.resume)
+    else:
         fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"hp"}
         values = {k: v for k, v in vars(args).items() if k in fields}
         if (values["epsilon"] is None and values["noise_multiplier"] is None
@@ -243,16 +330,18 @@ def _train(args: argparse.Namespace) -> int:
                                 for f in dataclasses.fields(Hyperparameters) for v in [getattr(args, f.name)]})
         config = TrainConfig(**values, hp=hp)
         config.validate()
+        if args.out is not None:
+            claim_run_folder(args.out, RUN_FILES, args.overwrite, hint=f"continue it with --resume {args.out}, ")
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if args.nproc > 1 and launched > 1:
         raise ValueError(f"--nproc {args.nproc} under a launcher that already started {launched} processes "
                          "(WORLD_SIZE is set); drop --nproc")
     if args.nproc > 1:
-        launch(args.nproc, _run_training, config, args.out, args.resume, progress)
+        launch(args.nproc, _run_training, config, args.out, args.resume, progress, epochs)
     else:
         parallel = from_environment()
         try:
-            _run_training(parallel, config, args.out, args.resume, progress)
+            _run_training(parallel, config, args.out, args.resume, progress, epochs)
         finally:
             if parallel is not None:
                 parallel.close()
@@ -282,6 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     top = parser()
     args = top.parse_args(argv or ["train"])
+    args.argv = argv or ["train"]
     try:
         return COMMANDS[args.command][1](args)
     except (ValueError, AccountingError, DatasetNotFound, CheckpointError) as e:

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from dpopt.algorithms import (ALGORITHMS, DECAYED_WORKLOAD, DEFAULT_NOISE, NON_PRIVATE, DPOptimizer, Hyperparameters,
                               Privatizer, build_algorithm)
-from dpopt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, write_atomic
+from dpopt.checkpoint import CheckpointError, check_writable, load_checkpoint, save_checkpoint, write_atomic
 from dpopt.clipping import Clipping
 from dpopt.data.datasets import DATASETS, Dataset, labels_of, load_dataset
 from dpopt.data.samplers import SAMPLINGS, Sampler, make_sampler, sampler_state, take
@@ -44,6 +44,7 @@ from dpopt.noise.mechanisms import NOISES, build_noise
 from dpopt.noise.rng import SecretStream, derive_seed, secret_key
 from dpopt.privacy import (PoissonSampling, PrivacyLedger, Relation, advanced_composition_noise, check_budget,
                            noise_multiplier_for)
+from dpopt.report import CURVES, LOG, TENSORBOARD, logging_to, plot_curves, tensorboard_writer
 from dpopt.privacy.ledger import ACCOUNTANTS
 from dpopt.privacy.statement import privacy_statement
 
@@ -60,6 +61,7 @@ class TrainConfig:
     delta: float = 1e-5
     noise_multiplier: float | None = None
     epochs: int = 20
+    calibration_epochs: int | None = None  # epochs --epsilon calibrated the noise for (None: epochs; see extended)
     batch_size: int = 128
     clip: float = 1.0
     clipping: str = "flat"
@@ -100,6 +102,10 @@ class TrainConfig:
             raise ValueError(f"delta must lie in (0, 1), got {self.delta}")
         if self.epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {self.epochs}")
+        if self.calibration_epochs not in (None, self.epochs) and (
+                not 1 <= self.calibration_epochs < self.epochs or self.noise_kind != "gaussian"):
+            raise ValueError(f"calibration_epochs must lie in [1, epochs] and applies to iid Gaussian noise only, "
+                             f"got {self.calibration_epochs}")
         if self.secure and self.secret_seed is not None:
             raise ValueError("--secure draws every secret number from OS entropy and takes no --secret-seed "
                              "(replayable noise); give one or the other")
@@ -262,6 +268,7 @@ def build_run_noise(config: TrainConfig, sampler: Sampler, total: int, clip: flo
         release = functools.partial(noise.whole_run, participation=sampler.participation)
         release(1.0)
     z = config.noise_multiplier
+    total = (config.calibration_epochs or config.epochs) * sampler.steps_per_epoch  # iid: its calibration horizon
     if z is None and config.calibration == "advanced-composition":
         sum_sensitivity = 2.0 if Relation(config.relation) is Relation.REPLACE_ONE else 1.0  # in units of C
         z = advanced_composition_noise(config.epsilon, config.delta, total) * sum_sensitivity
@@ -333,6 +340,15 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
     ``parallel`` this process is one rank of a data-parallel run; only rank 0 logs and writes to ``out``."""
     if parallel is not None and not parallel.lead:
         out, progress, log = None, False, _silent
+    writer = None
+    if out is not None:
+        out = check_writable(out)
+        log = logging_to(out / LOG, log)
+        writer = tensorboard_writer(out / TENSORBOARD)
+        if writer is None:
+            log("tensorboard is not installed: no TensorBoard events (pip install tensorboard)")
+    if _resume_state is not None:
+        log(f"resuming {config.algorithm} on {config.dataset} from step {_resume_state['step']}")
     run = build_run(config, log, parallel, None if _resume_state is None else _saved_key(_resume_state))
     history: list[dict[str, Any]] = []
     losses: list[float] = []  # this epoch's step losses
@@ -357,12 +373,15 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
             torch.manual_seed(derive_seed(config.seed, "public", "step", run.optimizer.steps))  # dropout; not secret
             result = run.optimizer.step(run.data.train)
             epoch_nonfinite += result.nonfinite
+            steps = run.optimizer.steps
             if result.loss is not None:
                 losses.append(result.loss)
-                bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.4f}",
+                if writer is not None:
+                    writer.add_scalar("train/loss", result.loss, steps)
+            if progress:
+                bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.4f}" if losses else "-",
                                 acc=f"{history[-1]['test_accuracy']:.4f}" if history else "-",
-                                eps=f"{history[-1]['epsilon']:.3f}" if history else "0")
-            steps = run.optimizer.steps
+                                eps=bar_epsilon(run.ledger, config.delta))
             if out is not None and every and steps % every == 0 and steps % per_epoch:  # epoch ends: below
                 save_checkpoint(out, _state(run, history, time.perf_counter() - start,
                                             time.process_time() - cpu_start, losses, epoch_nonfinite))
@@ -376,10 +395,44 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
                         "train_loss": sum(losses) / max(1, len(losses)), "nonfinite": epoch_nonfinite})
         losses, epoch_nonfinite = [], 0
         if out is not None:
-            save_checkpoint(out, _state(run, history, time.perf_counter() - start, time.process_time() - cpu_start,
-                                        losses, epoch_nonfinite))
-        log(f"epoch {epoch + 1}/{config.epochs}: test accuracy {acc:.4f}, epsilon {eps:.4f}")
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+            save_checkpoint(out, _state(run, history, wall, cpu, losses, epoch_nonfinite))
+            _write_metrics(out, _metrics(run, history, nonfinite, wall, cpu, finished=False))
+        if writer is not None:
+            for key, value in history[-1].items():
+                writer.add_scalar(f"eval/{key}", value, run.optimizer.steps)
+        log(f"epoch {epoch + 1}/{config.epochs}: test accuracy {acc:.4f}, epsilon {eps:.4g}")
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    metrics = _metrics(run, history, nonfinite, wall, cpu, finished=True)
+    if out is not None:
+        _write_metrics(out, metrics)
+        export_model(run.model, Path(out, MODEL_DIR))
+        if plot_curves(history, out / CURVES) is None:
+            log(f"matplotlib is not installed: no {CURVES} (pip install matplotlib)")
+    if writer is not None:
+        writer.close()
+    log(metrics["privacy_statement"])
+    return metrics
+
+
+def bar_epsilon(ledger: PrivacyLedger, delta: float) -> str:
+    """The epsilon spent so far, for the progress bar after every step: by RDP where it applies (cached per
+    release, so microseconds a step; an upper bound like the PLD guarantee, usually a little above it), else
+    by the run's accountant; labelled with the accountant used."""
+    try:
+        return f"{ledger.epsilon(delta, 'rdp'):.3g} (RDP)"
+    except ValueError:
+        return f"{ledger.epsilon(delta):.3g} ({ledger.accountant.upper()})"
+
+
+def _write_metrics(out: Path, metrics: dict[str, Any]) -> None:
+    write_atomic(out / "metrics.json", lambda f: f.write(json.dumps(metrics, indent=2).encode()))
+
+
+def _metrics(run: Run, history: list[dict[str, Any]], nonfinite: int, wall: float, cpu: float,
+             finished: bool) -> dict[str, Any]:
+    """metrics.json: the run so far (``finished`` False after an evaluation before the last), never a secret."""
+    config = run.config
     metrics = {
         "algorithm": config.algorithm, "dataset": config.dataset, "model": config.model,
         "noise": config.noise_kind, "sampling": config.sampling_kind,
@@ -390,14 +443,10 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
                         else None),
         "accountant": config.accountant, "relation": config.relation, "nonfinite_examples": nonfinite,
         "wall_time_s": wall, "cpu_time_s": cpu, "threads": torch.get_num_threads(), "history": history, "ledger": run.ledger.to_dict(),
-        "secret_randomness": config.randomness, "config": config.public_dict(),
+        "secret_randomness": config.randomness, "config": config.public_dict(), "finished": finished,
     }
-    statement = privacy_statement(run.ledger, config.delta, len(run.data), randomness=config.randomness)
-    metrics["privacy_statement"] = statement
-    if out is not None:
-        write_atomic(Path(out, "metrics.json"), lambda f: f.write(json.dumps(metrics, indent=2).encode()))
-        export_model(run.model, Path(out, MODEL_DIR))
-    log(statement)
+    metrics["privacy_statement"] = privacy_statement(run.ledger, config.delta, len(run.data),
+                                                     randomness=config.randomness)
     return metrics
 
 
@@ -415,12 +464,30 @@ def export_model(model: nn.Module, folder: Path) -> Path:
     return write_atomic(folder / "model.pt", lambda f: torch.save(model.state_dict(), f))
 
 
+def extended(config: TrainConfig, epochs: int | None) -> TrainConfig:
+    """``config`` run to ``epochs`` (None: as it is) when resuming. Extending keeps the noise calibrated for the
+    original length, so the extra steps spend more privacy (the ledger accounts for every one); correlated noise
+    is built for a fixed number of steps and cannot be extended."""
+    if epochs is None or epochs == config.epochs:
+        return config
+    if epochs < config.epochs:
+        raise ValueError(f"--epochs {epochs} is below the run's {config.epochs}: a resumed run can be extended, "
+                         "not shortened")
+    if config.algorithm not in NON_PRIVATE and config.noise_kind != "gaussian":
+        raise ValueError(f"{config.noise_kind} noise is built for the run's {config.epochs} epochs and cannot be "
+                         f"extended to {epochs}; start a new run")
+    return dataclasses.replace(config, epochs=epochs, calibration_epochs=config.calibration_epochs or config.epochs)
+
+
 def resume(out: str | Path, progress: bool = True, log: Callable[[str], None] = print,
-           parallel: DataParallel | None = None) -> dict[str, Any]:
-    """Continue the run whose checkpoint is in ``out`` to its configured end (with ``parallel``, rank 0
-    reads the checkpoint and sends it to the other ranks)."""
+           parallel: DataParallel | None = None, epochs: int | None = None) -> dict[str, Any]:
+    """Continue the run whose checkpoint is in ``out`` to its configured end, or to ``epochs`` (see ``extended``;
+    with ``parallel``, rank 0 reads the checkpoint and sends it to the other ranks)."""
     state = load_checkpoint(out) if parallel is None else parallel.from_lead(lambda: load_checkpoint(out))
-    config = TrainConfig.from_dict(state["config"])
-    if parallel is None or parallel.lead:
-        log(f"resuming {config.algorithm} on {config.dataset} from step {state['step']}")
+    saved = TrainConfig.from_dict(state["config"])
+    config = extended(saved, epochs)
+    if config is not saved and (parallel is None or parallel.lead):
+        log(f"extending the run from {saved.epochs} to {epochs} epochs: the noise stays as calibrated for "
+            f"{config.calibration_epochs} epochs, so epsilon grows past the target with every extra step "
+            "(the ledger accounts for each)")
     return train(config, out, progress, log, _resume_state=state, parallel=parallel)

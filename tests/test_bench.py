@@ -1,5 +1,6 @@
 """`dpopt bench`: each system measured in its own process; the scripting interface prints one JSON object."""
 
+import argparse
 import json
 
 import torch
@@ -9,10 +10,14 @@ from dpopt.cli import main
 
 
 def test_bench_json_maps_each_system_to_its_measurements(capsys):
-    argv = ["bench", "--workload", "cnn", "--batch", "8", "--warmup", "1", "--steps", "2", "--threads", "1",
-            "--systems", "pytorch", "dpopt", "--interleave", "--json"]
+    """With no flags the bench measures fairly (issue 23): one thread per system, interleaved CPU time, and
+    says so (on stderr with --json, whose stdout is one JSON object)."""
+    argv = ["bench", "--workload", "cnn", "--batch", "8", "--warmup", "1", "--steps", "2",
+            "--systems", "pytorch", "dpopt", "--json"]
     assert main(argv) == 0
-    out = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert captured.err.startswith("measured: 1 torch thread per system") and "interleaved" in captured.err
     assert set(out) == {"pytorch", "dpopt"}
     for r in out.values():
         assert r["s_per_step"] > 0 and r["cpu_s_per_step"] > 0 and r["peak_mb"] > 0 and r["interleaved_cpu_s"] > 0
@@ -69,3 +74,12 @@ def test_peak_memory_sees_a_temporary_allocated_inside_backward():
 
     start = bench._live_tensor_bytes() / 2**20
     assert bench.peak_tensor_mb(step) - start >= 20
+
+
+def test_bench_opts_out_of_the_fair_defaults_and_says_so():
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    fair, opted = p.parse_args([]), p.parse_args(["--threads", "2", "--no-interleave"])
+    assert (fair.threads, fair.interleave, bench.Case("cnn", 8).threads) == (1, True, 1)
+    assert bench.method(opted).startswith("measured: 2 torch threads per system") and "--no-interleave" in \
+        bench.method(opted)

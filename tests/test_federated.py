@@ -286,13 +286,19 @@ def test_cli_writes_metrics(tmp_path, capsys):
     assert m["test_accuracy"] > 0.5
     assert torch.load(tmp_path / "model.pt")["x"].numel() == 64 * 128 + 128 + 128 * 10 + 10
     assert "per-client epsilon" in capsys.readouterr().out
-    assert main(["federated", "--clients", "3", "--rounds", "3", "--epsilon", "8", "--delta", "1e-6",
-                 "--out", str(tmp_path), "--no-progress"]) == 0
+    again = ["federated", "--clients", "3", "--rounds", "3", "--epsilon", "8", "--delta", "1e-6",
+             "--out", str(tmp_path), "--no-progress"]
+    with pytest.raises(SystemExit) as e:  # dpopt train's conventions: an existing run is kept
+        main(again)
+    assert e.value.code == 2 and "already holds a run (metrics.json, model.pt)" in capsys.readouterr().err
+    assert main([*again, "--overwrite"]) == 0
     m = json.loads((tmp_path / "metrics.json").read_text())
     assert 0.99 * 8 <= m["epsilon"] <= 8 and m["delta"] == 1e-6
     assert main(["federated", "--clients", "3", "--rounds", "4", "--noise-multiplier", "1", "--dropout", "0.5",
-                 "--on-failure", "abort", "--out", str(tmp_path), "--no-progress"]) == 3
+                 "--on-failure", "abort", "--out", str(tmp_path), "--overwrite", "--no-progress"]) == 3
     assert "before the round" in capsys.readouterr().err
+    assert main(["federated", "--clients", "3", "--rounds", "2", "--noise-multiplier", "1", "--no-progress"]) == 0
+    assert "wrote" not in capsys.readouterr().out  # --out is optional, as in dpopt train
 
 
 def test_client_noise_comes_from_os_entropy_unless_a_secret_seed_is_given(tmp_path, capsys):
@@ -348,6 +354,10 @@ def test_cli_bad_input_and_missing_flower(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         main(["federated", "--secure", "--noise-multiplier", "1", "--out", str(tmp_path)])
     assert e.value.code == 2 and "--secure is gone" in capsys.readouterr().err
+    (tmp_path / "file").touch()
+    with pytest.raises(SystemExit) as e:
+        main(["federated", "--noise-multiplier", "1", "--out", str(tmp_path / "file" / "run")])
+    assert e.value.code == 2 and "cannot write to the output folder" in capsys.readouterr().err
     import importlib.util
 
     find = importlib.util.find_spec

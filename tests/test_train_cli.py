@@ -7,6 +7,7 @@ import subprocess
 import sys
 import warnings
 
+import dp_accounting as dpa
 import pytest
 import torch
 
@@ -18,7 +19,11 @@ from dpopt.data.samplers import PoissonSampler
 from dpopt.noise.rng import SecretStream
 from dpopt.privacy import (FixedOrderParticipation, FixedParticipation, GaussianRelease, PoissonSampling, epsilon_of,
                            noise_multiplier_for)
-from dpopt.train import TrainConfig, resume, train
+from dpopt import report
+from dpopt import train as train_module
+from dpopt.privacy import PrivacyLedger
+from dpopt.privacy.statement import privacy_statement
+from dpopt.train import TrainConfig, bar_epsilon, extended, resume, train
 from helpers import train_keeping_epoch_one
 
 QUICK = dict(epochs=2, batch_size=128, epsilon=2.0)
@@ -219,7 +224,9 @@ def test_the_secret_key_and_seed_are_only_in_the_checkpoint_and_the_export_holds
     secrets = {"key": [key, key.hex().encode()], "seed": [b"987654321"]}
     for name, forms in secrets.items():
         files = [f for f in (tmp_path / name).rglob("*") if f.is_file() and f.name != CHECKPOINT]
-        assert {f.relative_to(tmp_path / name).as_posix() for f in files} == {"metrics.json", "model/model.pt"}
+        names = {f.relative_to(tmp_path / name).as_posix() for f in files}
+        assert {n for n in names if not n.startswith("tensorboard/")} == {  # events where tensorboard is installed
+            "metrics.json", "model/model.pt", "train.log", "curves.png"}
         for f in files:
             assert not any(secret in f.read_bytes() for secret in forms), f
         model = torch.load(tmp_path / name / "model" / "model.pt", weights_only=True)
@@ -327,3 +334,147 @@ def test_privacy_statement_says_whether_the_noise_is_replayable():
     assert "secret key drawn from OS entropy, kept only in the run's checkpoint" in default
     assert "REPLAYABLE" in seeded and "--secret-seed" in seeded and "REPLAYABLE" not in default
     assert "draw by draw" in secure and "REPLAYABLE" not in secure
+
+
+# ------------------------------------------------------------------- issue 23: the first hour of a new user
+
+
+def test_resume_refuses_changed_flags_and_extends_with_a_larger_epochs(tmp_path, capsys):
+    """--resume DIR with flags: the same values pass, a larger --epochs extends the run (the noise keeps the
+    multiplier calibrated for the original length, so epsilon passes the target), anything else is refused
+    with the list of differences; correlated noise, built for a fixed length, cannot be extended."""
+    run = str(tmp_path / "run")
+    assert main(["train", "--epochs", "1", "--out", run, "--no-progress"]) == 0
+    first = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--resume", run, "--epochs", "2", "--lr", "0.3", "--algorithm", "dp-adam"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "--algorithm dp-adam (the run has dp-sgd); --lr 0.3 (the run has 0.5)" in err
+    assert main(["train", "--resume", run, "--epochs", "2", "--lr", "0.5", "--epsilon", "2", "--no-progress"]) == 0
+    assert "extending the run from 1 to 2 epochs" in capsys.readouterr().out
+    m = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert m["steps"] == 22 and m["noise_multiplier"] == first["noise_multiplier"] and m["epsilon"] > 2.0
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--resume", run, "--epochs", "1"])
+    assert e.value.code == 2 and "--epochs 1 is below the run's 2" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="tree noise is built for the run's 1 epochs and cannot be extended"):
+        extended(TrainConfig(algorithm="dp-ftrl", epochs=1, epsilon=1.0), 2)
+
+
+def test_an_existing_run_is_refused_unless_overwrite_and_out_is_checked_before_training(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    assert main(["train", "--epochs", "1", "--out", run, "--no-progress"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--epochs", "1", "--out", run])
+    assert e.value.code == 2 and "already holds a run (checkpoint.pt, metrics.json" in capsys.readouterr().err
+    assert main(["train", "--epochs", "1", "--out", run, "--overwrite", "--no-progress"]) == 0
+    assert (tmp_path / "run" / "train.log").read_text().count("Privacy statement") == 1  # the old log went too
+    capsys.readouterr()
+    (tmp_path / "file").touch()
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--epochs", "1", "--out", str(tmp_path / "file" / "run")])
+    captured = capsys.readouterr()
+    assert e.value.code == 2 and "cannot write to the output folder" in captured.err
+    assert captured.out == ""  # refused before the data was loaded or the noise calibrated
+
+
+class RecordingWriter:
+    def __init__(self) -> None:
+        self.scalars: list[tuple[str, float, int]] = []
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.scalars.append((tag, value, step))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_the_run_folder_has_metrics_from_the_first_evaluation_a_log_curves_and_tensorboard_events(tmp_path,
+                                                                                                  monkeypatch):
+    writer = RecordingWriter()
+    monkeypatch.setattr(train_module, "tensorboard_writer", lambda folder: writer)
+    seen = {}
+
+    def log(line: str) -> None:
+        if line.startswith("epoch 1/"):
+            seen["metrics"] = json.loads((tmp_path / "metrics.json").read_text())
+
+    train(TrainConfig(epochs=2, epsilon=2.0), tmp_path, progress=False, log=log)
+    assert seen["metrics"]["finished"] is False and len(seen["metrics"]["history"]) == 1
+    assert json.loads((tmp_path / "metrics.json").read_text())["finished"] is True
+    logged = (tmp_path / "train.log").read_text()
+    assert "calibrated noise multiplier" in logged and "epoch 2/2" in logged and "Guarantee:" in logged
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert [s for t, _, s in writer.scalars if t == "train/loss"] == list(range(1, 23))
+    assert [s for t, _, s in writer.scalars if t == "eval/epsilon"] == [11, 22] and writer.closed
+
+
+def test_without_matplotlib_or_tensorboard_the_run_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(report.importlib.util, "find_spec", lambda name: None)
+    lines: list[str] = []
+    train(TrainConfig(epochs=1, epsilon=2.0), tmp_path, progress=False, log=lines.append)
+    assert any("matplotlib is not installed" in line for line in lines) and not (tmp_path / "curves.png").exists()
+    assert any("tensorboard is not installed" in line for line in lines)
+
+
+def test_the_progress_bar_shows_epsilon_spent_at_every_step(monkeypatch):
+    """From the first step on (it showed 0 through the first epoch), labelled with its accountant: RDP, from
+    cached one-step curves (what dp-accounting's RdpAccountant gives), where RDP applies."""
+    postfixes = []
+
+    class Bar(list):
+        def __init__(self, iterable, **kwargs):
+            super().__init__(iterable)
+
+        def set_postfix(self, **kwargs):
+            postfixes.append(kwargs)
+
+    monkeypatch.setattr(train_module, "tqdm", Bar)
+    m = train(TrainConfig(epochs=1, epsilon=2.0), progress=True, log=quiet)
+    eps = [float(p["eps"].removesuffix(" (RDP)")) for p in postfixes]
+    assert len(eps) == 11 and 0 < eps[0] < eps[-1] and all(a < b for a, b in zip(eps, eps[1:]))
+    z, q = m["noise_multiplier"], m["sample_rate"]
+    accountant = dpa.rdp.RdpAccountant()
+    accountant.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(z)), 11))
+    assert postfixes[-1]["eps"] == f"{accountant.get_epsilon(1e-5):.3g} (RDP)"
+    ledger = PrivacyLedger("replace-one")
+    ledger.record(GaussianRelease(z, PoissonSampling(q), 3))
+    assert bar_epsilon(ledger, 1e-5) == f"{ledger.epsilon(1e-5):.3g} (PLD)"  # RDP has no analysis of this
+
+
+def test_the_privacy_statement_names_the_guarantee_first_and_never_a_bare_epsilon_0():
+    ledger = PrivacyLedger()
+    ledger.record(GaussianRelease(3.3e4, PoissonSampling(0.089), 11))  # what --epsilon 1e-4 calibrates on digits
+    lines = privacy_statement(ledger, 1e-5).splitlines()
+    assert lines[2].startswith("Guarantee: (") and "by PLD accounting" in lines[2]
+    assert lines[3] == ("Cross-check: RDP accounting bounds epsilon by 0 (delta alone covers the privacy loss at "
+                        "this noise); an independent upper bound, not the guarantee.")
+    ledger = PrivacyLedger(accountant="rdp")
+    ledger.record(GaussianRelease(1.0, PoissonSampling(0.089), 11))
+    lines = privacy_statement(ledger, 1e-5).splitlines()
+    assert "by RDP accounting" in lines[2] and lines[3].startswith("Cross-check: PLD accounting bounds epsilon by")
+
+
+@pytest.mark.parametrize("argv,hint", [
+    (["train", "--algorithm", "dp-sdg"], "did you mean 'dp-sgd'?"),
+    (["train", "--dataset", "mnsit"], "did you mean 'mnist'?"),
+    (["train", "--algoritm", "dp-sgd"], "did you mean '--algorithm'?"),
+    (["trian"], "did you mean 'train'?"),
+    (["reproduce", "crash_safty"], "did you mean 'crash_safety'?"),
+])
+def test_errors_are_short_with_did_you_mean(argv, hint, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) <= 2 and err[0].startswith("dpopt: error: ") and hint in err[0]
+
+
+def test_reproduce_help_lists_each_reproduction_with_a_description(capsys):
+    assert main(["reproduce", "--help"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    rows = {line.split()[0]: line for line in lines[2:]}
+    assert "crash_safety" in rows and "SIGKILL" in rows["crash_safety"]
+    assert all(len(line.split(maxsplit=1)) == 2 and len(line) < 140 for line in rows.values())

@@ -1,4 +1,6 @@
-"""``dpopt federated``: one federated run with local DP, in process or on Flower, writing DIR/metrics.json."""
+"""``dpopt federated``: one federated run with local DP, in process or on Flower; with ``--out DIR`` it writes
+DIR/metrics.json and DIR/model.pt, under ``dpopt train``'s conventions (an existing run refused unless
+``--overwrite``, the folder checked to be writable before anything runs)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from dpopt.checkpoint import claim_run_folder
 from dpopt.data.datasets import DATASETS
 from dpopt.federated.config import ENGINES, FAILURE_POLICIES, FederatedConfig, build_setup
 from dpopt.federated.partition import SPLITS
@@ -19,6 +22,7 @@ from dpopt.federated.simulator import ClientFailure, run_inprocess, save_outputs
 from dpopt.models import MODELS
 
 RUNTIMES = ("simulation", "deployment")
+RUN_FILES = ("metrics.json", "model.pt")  # what a run writes in --out
 RANDOMNESS_NOTE = {
     "os-entropy-key": "Client noise and batches came from a key drawn from OS entropy for this run; nothing "
                       "stores it.",
@@ -75,7 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flower-runtime", default="simulation", choices=RUNTIMES,
                    help="with --engine flower: Flower's simulation engine (Ray), or a SuperLink and n SuperNode "
                         "processes over loopback")
-    p.add_argument("--out", required=True, help="run folder: metrics.json and model.pt")
+    p.add_argument("--out", help="run folder: metrics.json and model.pt; an existing run there is refused unless "
+                                 "--overwrite")
+    p.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -98,8 +104,13 @@ def run(args: argparse.Namespace) -> int:
                          "drawn per run, never stored); --secret-seed N makes it replayable")
     config = config_from(args)
     mode = "os-entropy-key" if args.secret_seed is None else "secret-seed"
+    deployment = args.engine == "flower" and args.flower_runtime == "deployment"
+    if args.out is not None:
+        claim_run_folder(args.out, RUN_FILES, args.overwrite)
+    elif deployment:
+        raise ValueError("--flower-runtime deployment writes its Flower app and logs to --out; give --out DIR")
     try:
-        if args.engine == "flower" and args.flower_runtime == "deployment":
+        if deployment:
             _flower()
             build_setup(config)
             from dpopt.federated.deploy import run_deployment
@@ -115,11 +126,13 @@ def run(args: argparse.Namespace) -> int:
                           disable=args.no_progress) as bar:
                     result = flower.run_simulation(config, bar, secret_seed=args.secret_seed)
             metrics = {**result.metrics, "secret_randomness": mode}  # the server cannot know; the launcher does
-            save_outputs(args.out, metrics, result.x)
+            if args.out is not None:
+                save_outputs(args.out, metrics, result.x)
     except ClientFailure as e:
         print(f"dpopt: error: {e}", file=sys.stderr)
         return 3
     print(f"test accuracy {metrics['test_accuracy']:.4f}; per-client epsilon {metrics['epsilon']:.4g} "
-          f"(delta {metrics['delta']:g}, local DP) after {metrics['rounds']} rounds; wrote {args.out}/metrics.json")
+          f"(delta {metrics['delta']:g}, local DP) after {metrics['rounds']} rounds"
+          + (f"; wrote {args.out}/metrics.json" if args.out is not None else ""))
     print(RANDOMNESS_NOTE[mode])
     return 0

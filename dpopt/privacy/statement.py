@@ -35,9 +35,12 @@ def privacy_statement(ledger: PrivacyLedger, delta: float, dataset_size: int | N
     relation = ("adding or removing one " + unit if ledger.relation == Relation.ADD_REMOVE
                 else "replacing one " + unit + " by another")
     lines = ["Privacy statement", "-----------------",
-             f"This run satisfies ({eps:.4g}, {delta:.3g})-differential privacy with respect to {relation}"
-             f" (accountant: {ledger.accountant.upper()}"
-             + (f"; {other.upper()} gives epsilon {eps_other:.4g}" if eps_other is not None else "") + ")."]
+             f"Guarantee: ({eps:.4g}, {delta:.3g})-differential privacy with respect to {relation}, by "
+             f"{ledger.accountant.upper()} accounting (the run's --accountant)."]
+    if eps_other is not None:
+        lines.append(f"Cross-check: {other.upper()} accounting bounds epsilon by {eps_other:.4g}"
+                     + (" (delta alone covers the privacy loss at this noise)" if eps_other == 0 else "")
+                     + "; an independent upper bound, not the guarantee.")
     for e in ledger.entries:
         if hasattr(e, "describe"):
             lines.append(f"  - {e.describe(unit)}.")
