@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -52,6 +53,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dpopt.device import add_device_arguments, autocast, autocast_dtype, resolve_device, to_device
 
 SYSTEMS = ("pytorch", "dpopt", "dpopt-materialize", "opacus-hooks", "opacus-ghost", "dp-grape", "dp-galore",
            "galore", "dpzero", "disk-sgd", "dp-srg-memf")
@@ -72,11 +75,14 @@ class Case:
     optimizer: str = "sgd"
     rank: int = 16  # dp-grape, dp-galore, galore
     threads: int = 2
+    device: str = "cpu"  # model, data and every step on it (dpopt.device.resolve_device)
+    precision: str = "fp32"  # every system's forward autocast to it; dpopt's norms, sums and noise stay fp32
 
     @property
     def label(self) -> str:
         seq = f" s{self.seq}" if self.workload != "cnn" else ""
-        return f"{self.workload} b{self.batch}{seq} {self.optimizer}"
+        extra = "".join(f" {v}" for v, d in ((self.device, "cpu"), (self.precision, "fp32")) if v != d)
+        return f"{self.workload} b{self.batch}{seq} {self.optimizer}{extra}"
 
 
 def _rss_mb(key: str) -> float:
@@ -113,6 +119,13 @@ def peak_tensor_mb(step: Callable[[], None]) -> float:
 
 
 def _workload(case: Case, system: str) -> tuple[nn.Module, Any, Callable]:
+    """The model, data and per-example loss of ``case``, on its device."""
+    model, data, loss = _cpu_workload(case, system)
+    device = resolve_device(case.device)
+    return model.to(device), to_device(data, device), loss
+
+
+def _cpu_workload(case: Case, system: str) -> tuple[nn.Module, Any, Callable]:
     if case.workload not in WORKLOADS:
         raise ValueError(f"unknown workload {case.workload!r}; choose one of {', '.join(WORKLOADS)}")
     torch.manual_seed(0)
@@ -151,12 +164,16 @@ def _step_fn(system: str, case: Case, model: nn.Module, dataset: Any, loss: Call
     from dpopt.data.samplers import take
 
     n = len(dataset[1]) if isinstance(dataset, tuple) else len(dataset["labels"])
-    index = torch.arange(n)
+    device = resolve_device(case.device)
+    index = torch.arange(n, device=device)
+    cast = functools.partial(autocast, device, autocast_dtype(case.precision, device))
     if system == "pytorch":
         opt = _optimizer(case, model.parameters())
 
         def step() -> None:
-            loss(model, take(dataset, index)).mean().backward()
+            with cast():
+                out = loss(model, take(dataset, index)).mean()
+            out.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
@@ -167,7 +184,9 @@ def _step_fn(system: str, case: Case, model: nn.Module, dataset: Any, loss: Call
         galore = GaLore(model, case.rank, every=100, lr=1e-4)
 
         def galore_step() -> None:
-            loss(model, take(dataset, index)).mean().backward()
+            with cast():
+                out = loss(model, take(dataset, index)).mean()
+            out.backward()
             galore.step()
             galore.zero_grad()
 
@@ -184,7 +203,8 @@ def _step_fn(system: str, case: Case, model: nn.Module, dataset: Any, loss: Call
         privatizer = Privatizer(Clipping(1.0), GaussianNoise(1.0, 1.0, SecretStream(0, "noise")),
                                 FixedOrderSampler(n, n, SecretStream(0, "sampling")), PrivacyLedger())
         algorithm = system if system not in ("dpopt", "dpopt-materialize") else f"dp-{case.optimizer}"
-        engine = PerExampleEngine(model, loss, strategy="materialize" if system == "dpopt-materialize" else "auto")
+        engine = PerExampleEngine(model, loss, strategy="materialize" if system == "dpopt-materialize" else "auto",
+                                  precision=case.precision)
         opt = build_algorithm(algorithm, engine, privatizer, Hyperparameters(lr=0.01, rank=case.rank))
         if not opt.verified:
             opt.verify(dataset)  # the one-time self-check, outside the timed step
@@ -209,21 +229,45 @@ def _step_fn(system: str, case: Case, model: nn.Module, dataset: Any, loss: Call
     def step() -> None:
         opt.zero_grad(set_to_none=True)
         data = take(dataset, index)
-        if isinstance(data, tuple):
-            logits, labels = model(data[0]), data[1]
-        else:
-            logits, labels = model(**{k: v for k, v in data.items() if k != "labels"}).logits, data["labels"]
-        criterion(logits, labels).backward()
+        with cast():
+            if isinstance(data, tuple):
+                logits, labels = model(data[0]), data[1]
+            else:
+                logits, labels = model(**{k: v for k, v in data.items() if k != "labels"}).logits, data["labels"]
+            out = criterion(logits, labels)
+        out.backward()
         opt.step()
 
     return step
 
 
+def _synchronized(step: Callable[[], None], device: torch.device) -> Callable[[], None]:
+    """``step`` that returns when the device has finished it (GPU work is asynchronous)."""
+    if device.type != "cuda":
+        return step
+
+    def synced() -> None:
+        step()
+        torch.cuda.synchronize(device)
+
+    return synced
+
+
+def peak_mb(step: Callable[[], None], device: torch.device) -> float:
+    """``peak_tensor_mb`` on CPU; CUDA's ``max_memory_allocated`` during the step on a GPU."""
+    if device.type != "cuda":
+        return peak_tensor_mb(step)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    return torch.cuda.max_memory_allocated(device) / 2**20
+
+
 def worker(system: str, case: Case, warmup: int, steps: int) -> dict[str, float]:
     """Measure one system in this process."""
     torch.set_num_threads(case.threads)
+    device = resolve_device(case.device)
     model, data, loss = _workload(case, system)
-    step = _step_fn(system, case, model, data, loss)
+    step = _synchronized(_step_fn(system, case, model, data, loss), device)
     for _ in range(warmup):
         step()
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS
@@ -237,7 +281,7 @@ def worker(system: str, case: Case, warmup: int, steps: int) -> dict[str, float]
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps
     rss = _rss_mb("VmHWM")
     return {"s_per_step": statistics.median(times), "cpu_s_per_step": statistics.median(cpu),
-            "peak_mb": peak_tensor_mb(step), "rss_mb": rss, "faults_per_step": faults}
+            "peak_mb": peak_mb(step, device), "rss_mb": rss, "faults_per_step": faults}
 
 
 def cpu_medians_in_turn(calls: dict[str, Callable[[], object]], rounds: int, warmup: int = 0) -> dict[str, float]:
@@ -259,7 +303,9 @@ def interleaved_worker(systems: tuple[str, ...], case: Case, warmup: int, steps:
     """Median CPU seconds per step of every system, built in this one process and stepped in turn (for shared
     machines)."""
     torch.set_num_threads(case.threads)
-    return cpu_medians_in_turn({s: _step_fn(s, case, *_workload(case, s)) for s in systems}, steps, warmup)
+    device = resolve_device(case.device)
+    return cpu_medians_in_turn({s: _synchronized(_step_fn(s, case, *_workload(case, s)), device) for s in systems},
+                               steps, warmup)
 
 
 def measure(system: str, case: Case, warmup: int = 3, steps: int = 10, timeout: float = 3600,
@@ -336,6 +382,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd", help="base optimizer of every system")
     p.add_argument("--rank", type=int, default=16, help="projection rank of dp-grape, dp-galore and galore")
     p.add_argument("--threads", type=int, default=2, help="torch threads of each measured process")
+    add_device_arguments(p, precision="fp32")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(DEFAULT_SYSTEMS))
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
@@ -352,13 +399,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.suite or args.scaling:
-        cases = [dataclasses.replace(c, threads=args.threads) for c in (SUITE if args.suite else SCALING)]
+        cases = [dataclasses.replace(c, threads=args.threads, device=args.device, precision=args.precision)
+                 for c in (SUITE if args.suite else SCALING)]
         systems = tuple(args.systems) if args.suite else ("pytorch", "dpopt")
     elif args.workload and args.batch:
-        cases = [Case(args.workload, args.batch, args.seq, args.optimizer, args.rank, args.threads)]
+        cases = [Case(args.workload, args.batch, args.seq, args.optimizer, args.rank, args.threads, args.device,
+                      args.precision)]
         systems = tuple(args.systems)
     else:
         raise ValueError("give --workload and --batch, or --suite, or --scaling")
+    autocast_dtype(args.precision, resolve_device(args.device))  # bad input: one line, before any process starts
     rows = []
     for case in cases:
         rows.append((case.label, compare(case, systems, args.warmup, args.steps, args.repeats, args.interleave,
