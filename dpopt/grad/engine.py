@@ -307,6 +307,9 @@ class PerExampleEngine:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         autocast_dtype(precision, self.params[0].device)  # refuses an unknown precision, fp16 off CUDA
+        if mode == "vmap" and precision != "fp32":
+            raise ValueError(f"per-example mode 'vmap' (the reference the hooks are tested against) runs in fp32 "
+                             f"only; use mode 'hooks' for {precision}")
         self.precision = precision
         self.loss_scale = FP16_LOSS_SCALE  # fp16 only: fixed, never adjusted (docs/design.md)
         self._wrapper = _LossModule(model, loss_fn)
@@ -480,16 +483,14 @@ class PerExampleEngine:
         return losses
 
     def _vmap_gradients(self, batch: Any, b: int, point: dict[str, torch.Tensor]) -> PerExampleGradients:
-        scale = self._scale
-        with torch.no_grad(), self.autocast():
+        with torch.no_grad():
             losses = self._check_losses(functional_call(self._wrapper, point, (batch,), tie_weights=False), b)
-        with self.autocast():
-            per_example = loss_gradients(
-                lambda p, x: functional_call(self._wrapper, p, (x,), tie_weights=False) * scale, point, batch, b)
+        per_example = loss_gradients(lambda p, x: functional_call(self._wrapper, p, (x,), tie_weights=False),
+                                     point, batch, b)
         summed: list[torch.Tensor | None] = [None] * len(self.params)
         for n, i in self._slots.items():  # a parameter registered in several modules: the sum of its uses
             summed[i] = per_example[n] if summed[i] is None else summed[i] + per_example[n]
-        terms = [[(1.0 / scale, self._project(i, Dense(g, p.shape)))] for i, (g, p) in enumerate(zip(summed, self.params))]
+        terms = [[(1.0, self._project(i, Dense(g, p.shape)))] for i, (g, p) in enumerate(zip(summed, self.params))]
         return PerExampleGradients(self, b, terms, losses)
 
     def _project(self, i: int, c: Capture) -> Capture:
