@@ -25,6 +25,10 @@ per-example gradients of rank ``--rank``, projected Adam), ``dp-galore`` (naive 
 (DPZero: two forward passes, no backward, no optimizer state); ``disk-sgd`` (DiSK's two-point statistic,
 kappa 0.7, gamma 0.5) and ``dp-srg-memf`` (the SRG difference g(x_t) - g(x_t-1); iid noise here).
 
+``--device`` (default cpu) puts every system's model, data and step on that device (on CUDA a step is timed to
+its ``torch.cuda.synchronize`` and ``peak_mb`` is ``max_memory_allocated``); ``--precision bf16|fp16`` autocasts
+every system's forward (dpopt's norms, clipped sums and noise stay fp32; fp16 needs CUDA).
+
 Workloads: ``cnn`` — the 28x28 Tanh CNN (dpopt.models.cnn) on random images; ``bert`` — a BERT-shaped
 Hugging Face model (6 layers, hidden 384, 12 heads, intermediate 1536: MiniLM's shape, random weights) on
 random token ids. Every DP system uses noise multiplier 1 and clip norm 1 with fixed-size batches.
