@@ -396,7 +396,8 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
                         else None),
         "accountant": config.accountant, "relation": config.relation, "nonfinite_examples": nonfinite,
         "wall_time_s": wall, "cpu_time_s": cpu, "threads": torch.get_num_threads(),
-        "device": str(run.optimizer.device), "precision": config.precision, "history": history, "ledger": run.ledger.to_dict(),
+        "device": str(run.optimizer.device), "precision": config.precision, "history": history,
+        "ledger": run.ledger.to_dict(),
         "secret_randomness": config.randomness, "config": config.public_dict(),
     }
     statement = privacy_statement(run.ledger, config.delta, len(run.data), randomness=config.randomness)

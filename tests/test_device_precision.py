@@ -63,7 +63,9 @@ BAD = [(["train", "--device", "tpu"], "unknown device 'tpu'"),
        (["train", "--precision", "fp8"], "unknown precision 'fp8'"),
        (["federated", "--epsilon", "1", "--out", "unused", "--device", "tpu"], "unknown device 'tpu'"),
        (["bench", "--workload", "cnn", "--batch", "8", "--device", "tpu"], "unknown device 'tpu'"),
-       (["audit", "--device", "tpu"], "unknown device 'tpu'")]
+       (["audit", "--device", "tpu"], "unknown device 'tpu'"),
+       (["federated", "--epsilon", "1", "--out", "unused", "--engine", "flower", "--device", "cuda"],
+        "Flower's clients and server run on the CPU")]
 NO_CUDA = [(["train", "--device", "cuda"], "device 'cuda' was requested but this machine has none"),
            (["train", "--precision", "fp16"], "fp16 needs a CUDA device (this run is on cpu); use bf16 on CPU"),
            (["bench", "--workload", "cnn", "--batch", "8", "--precision", "fp16"], "fp16 needs a CUDA device"),

@@ -104,7 +104,7 @@ class ProjectedDirac(GaussianCanaries):
         scale = spec.canary_norm * spec.clip
         c = torch.arange(k, device=device)
         row, col = c // inputs, c % inputs  # canary c sits at (j, i) = (row, col)
-        directions = torch.eye(2 * r, device=device)[:, :r]  # u_j as columns; replaced by P (P^T P)^{-1} under a projection
+        directions = torch.eye(2 * r, device=device)[:, :r]  # u_j as columns; P (P^T P)^{-1} under a projection
 
         def loss(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
             out = m(F.one_hot(col[ids], inputs).float())

@@ -184,8 +184,8 @@ def finite_differences(engine: PerExampleEngine, batch: Any, direction: Directio
 
     The parameters are moved in place to x + λu, then x − λu, then back (restored even if the loss raises).
     Both passes run in eval mode (no dropout) under the same RNG state, so they see the same function
-    (spec pitfall 4), autocast to the engine's precision. The difference is taken in float64. ``losses`` is (f(x+λu) + f(x−λu)) / 2 ≈ f(x),
-    for progress display only.
+    (spec pitfall 4), autocast to the engine's precision. The difference is taken in float64. ``losses`` is
+    (f(x+λu) + f(x−λu)) / 2 ≈ f(x), for progress display only.
     """
     if not (math.isfinite(smoothing) and smoothing > 0):
         raise ValueError(f"the smoothing lambda must be a finite number > 0, got {smoothing}")
