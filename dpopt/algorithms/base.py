@@ -206,9 +206,12 @@ class DPOptimizer:
                 "transforms": [t.state_dict() for t in self.transforms], "noise": noise() if noise else {}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a ``state_dict`` (read onto the CPU by ``load_checkpoint``): the transforms' and the noise's
+        tensors are moved to the model's device (a torch optimizer places its own state)."""
         self.steps = state["steps"]
-        self.base.load_state_dict(state["base"])
+        torch_base = isinstance(self.base, torch.optim.Optimizer)
+        self.base.load_state_dict(state["base"] if torch_base else to_device(state["base"], self.device))
         for t, s in zip(self.transforms, state["transforms"]):
-            t.load_state_dict(s)
+            t.load_state_dict(to_device(s, self.device))
         if hasattr(self.privatizer.noise, "load_state_dict"):
-            self.privatizer.noise.load_state_dict(state.get("noise", {}))
+            self.privatizer.noise.load_state_dict(to_device(state.get("noise", {}), self.device))

@@ -214,8 +214,8 @@ class MatrixNoise(CorrelatedNoise):
                     grown[:buf.shape[0]] = buf
                 buf = buffers[i] = grown
             if step > 0:
-                weights = torch.zeros(buf.shape[0], device=device, dtype=coef.dtype)
-                weights[slots] = coef[ring - (step - lo):ring]
+                weights = torch.zeros(buf.shape[0], device=device, dtype=buf.dtype)
+                weights[slots] = coef[ring - (step - lo):ring].to(buf.dtype)
                 w = w - buf.t() @ weights
             w = w / coef[-1]
             buf[step % ring] = w
