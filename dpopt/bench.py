@@ -26,6 +26,10 @@ per-example gradients of rank ``--rank``, projected Adam), ``dp-galore`` (naive 
 (DPZero: two forward passes, no backward, no optimizer state); ``disk-sgd`` (DiSK's two-point statistic,
 kappa 0.7, gamma 0.5) and ``dp-srg-memf`` (the SRG difference g(x_t) - g(x_t-1); iid noise here).
 
+``--device`` (default cpu) puts every system's model, data and step on that device (on CUDA a step is timed to
+its ``torch.cuda.synchronize`` and ``peak_mb`` is ``max_memory_allocated``); ``--precision bf16|fp16`` autocasts
+every system's forward (dpopt's norms, clipped sums and noise stay fp32; fp16 needs CUDA).
+
 Workloads: ``cnn`` — the 28x28 Tanh CNN (dpopt.models.cnn) on random images; ``bert`` — a BERT-shaped
 Hugging Face model (6 layers, hidden 384, 12 heads, intermediate 1536: MiniLM's shape, random weights) on
 random token ids. Every DP system uses noise multiplier 1 and clip norm 1 with fixed-size batches.
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -54,6 +59,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten
+
+from dpopt.device import add_device_arguments, autocast, autocast_dtype, resolve_device, to_device
 
 SYSTEMS = ("pytorch", "dpopt", "dpopt-materialize", "opacus-hooks", "opacus-ghost", "dp-grape", "dp-galore",
            "galore", "dpzero", "disk-sgd", "dp-srg-memf")
@@ -75,12 +82,15 @@ class Case:
     rank: int = 16  # dp-grape, dp-galore, galore
     threads: int = 1
     physical: int | None = None  # dpopt's physical batch size (None: the whole batch in one pass)
+    device: str = "cpu"  # model, data and every step on it (dpopt.device.resolve_device)
+    precision: str = "fp32"  # every system's forward autocast to it; dpopt's norms, sums and noise stay fp32
 
     @property
     def label(self) -> str:
         seq = f" s{self.seq}" if self.workload != "cnn" else ""
         physical = f" p{self.physical}" if self.physical else ""
-        return f"{self.workload} b{self.batch}{seq}{physical} {self.optimizer}"
+        extra = "".join(f" {v}" for v, d in ((self.device, "cpu"), (self.precision, "fp32")) if v != d)
+        return f"{self.workload} b{self.batch}{seq}{physical} {self.optimizer}{extra}"
 
 
 def _rss_mb(key: str) -> float:
@@ -117,6 +127,13 @@ def peak_tensor_mb(step: Callable[[], None]) -> float:
 
 
 def _workload(case: Case, system: str) -> tuple[nn.Module, Any, Callable]:
+    """The model, data and per-example loss of ``case``, on its device."""
+    model, data, loss = _cpu_workload(case, system)
+    device = resolve_device(case.device)
+    return model.to(device), to_device(data, device), loss
+
+
+def _cpu_workload(case: Case, system: str) -> tuple[nn.Module, Any, Callable]:
     if case.workload not in WORKLOADS:
         raise ValueError(f"unknown workload {case.workload!r}; choose one of {', '.join(WORKLOADS)}")
     torch.manual_seed(0)
@@ -155,12 +172,16 @@ def _step_fn(system: str, case: Case, model: nn.Module, dataset: Any, loss: Call
     from dpopt.data.samplers import take
 
     n = len(dataset[1]) if isinstance(dataset, tuple) else len(dataset["labels"])
-    index = torch.arange(n)
+    device = resolve_device(case.device)
+    index = torch.arange(n, device=device)
+    cast = functools.partial(autocast, device, autocast_dtype(case.precision, device))
     if system == "pytorch":
         opt = _optimizer(case, model.parameters())
 
         def step() -> None:
-            loss(model, take(dataset, index)).mean().backward()
+            with cast():
+                out = loss(model, take(dataset, index)).mean()
+            out.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
@@ -171,7 +192,9 @@ def _step_fn(system: str, case: Case, model: nn.Module, dataset: Any, loss: Call
         galore = GaLore(model, case.rank, every=100, lr=1e-4)
 
         def galore_step() -> None:
-            loss(model, take(dataset, index)).mean().backward()
+            with cast():
+                out = loss(model, take(dataset, index)).mean()
+            out.backward()
             galore.step()
             galore.zero_grad()
 
@@ -188,7 +211,8 @@ def _step_fn(system: str, case: Case, model: nn.Module, dataset: Any, loss: Call
         privatizer = Privatizer(Clipping(1.0), GaussianNoise(1.0, 1.0, SecretStream(0, "noise")),
                                 FixedOrderSampler(n, n, SecretStream(0, "sampling")), PrivacyLedger())
         algorithm = system if system not in ("dpopt", "dpopt-materialize") else f"dp-{case.optimizer}"
-        engine = PerExampleEngine(model, loss, strategy="materialize" if system == "dpopt-materialize" else "auto")
+        engine = PerExampleEngine(model, loss, strategy="materialize" if system == "dpopt-materialize" else "auto",
+                                  precision=case.precision)
         opt = build_algorithm(algorithm, engine, privatizer, Hyperparameters(lr=0.01, rank=case.rank), case.physical)
         if not opt.verified:
             opt.verify(dataset)  # the one-time self-check, outside the timed step
@@ -213,21 +237,45 @@ def _step_fn(system: str, case: Case, model: nn.Module, dataset: Any, loss: Call
     def step() -> None:
         opt.zero_grad(set_to_none=True)
         data = take(dataset, index)
-        if isinstance(data, tuple):
-            logits, labels = model(data[0]), data[1]
-        else:
-            logits, labels = model(**{k: v for k, v in data.items() if k != "labels"}).logits, data["labels"]
-        criterion(logits, labels).backward()
+        with cast():
+            if isinstance(data, tuple):
+                logits, labels = model(data[0]), data[1]
+            else:
+                logits, labels = model(**{k: v for k, v in data.items() if k != "labels"}).logits, data["labels"]
+            out = criterion(logits, labels)
+        out.backward()
         opt.step()
 
     return step
 
 
+def _synchronized(step: Callable[[], None], device: torch.device) -> Callable[[], None]:
+    """``step`` that returns when the device has finished it (GPU work is asynchronous)."""
+    if device.type != "cuda":
+        return step
+
+    def synced() -> None:
+        step()
+        torch.cuda.synchronize(device)
+
+    return synced
+
+
+def peak_mb(step: Callable[[], None], device: torch.device) -> float:
+    """``peak_tensor_mb`` on CPU; CUDA's ``max_memory_allocated`` during the step on a GPU."""
+    if device.type != "cuda":
+        return peak_tensor_mb(step)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    return torch.cuda.max_memory_allocated(device) / 2**20
+
+
 def worker(system: str, case: Case, warmup: int, steps: int) -> dict[str, float]:
     """Measure one system in this process."""
     torch.set_num_threads(case.threads)
+    device = resolve_device(case.device)
     model, data, loss = _workload(case, system)
-    step = _step_fn(system, case, model, data, loss)
+    step = _synchronized(_step_fn(system, case, model, data, loss), device)
     for _ in range(warmup):
         step()
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS
@@ -242,7 +290,7 @@ def worker(system: str, case: Case, warmup: int, steps: int) -> dict[str, float]
     rss = _rss_mb("VmHWM")
     data_mb = sum(t.numel() * t.element_size() for t in tree_flatten(data)[0] if isinstance(t, torch.Tensor)) / 2**20
     return {"s_per_step": statistics.median(times), "cpu_s_per_step": statistics.median(cpu),
-            "peak_mb": peak_tensor_mb(step), "rss_mb": rss, "faults_per_step": faults, "data_mb": data_mb}
+            "peak_mb": peak_mb(step, device), "rss_mb": rss, "faults_per_step": faults, "data_mb": data_mb}
 
 
 def cpu_medians_in_turn(calls: dict[str, Callable[[], object]], rounds: int, warmup: int = 0) -> dict[str, float]:
@@ -264,7 +312,9 @@ def interleaved_worker(systems: tuple[str, ...], case: Case, warmup: int, steps:
     """Median CPU seconds per step of every system, built in this one process and stepped in turn (for shared
     machines)."""
     torch.set_num_threads(case.threads)
-    return cpu_medians_in_turn({s: _step_fn(s, case, *_workload(case, s)) for s in systems}, steps, warmup)
+    device = resolve_device(case.device)
+    return cpu_medians_in_turn({s: _synchronized(_step_fn(s, case, *_workload(case, s)), device) for s in systems},
+                               steps, warmup)
 
 
 def measure(system: str, case: Case, warmup: int = 3, steps: int = 10, timeout: float = 3600,
@@ -345,6 +395,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "OpenMP threads slow some systems more than others)")
     p.add_argument("--physical-batch-size", type=int, metavar="N",
                    help="dpopt systems: process the batch in chunks of N examples (one release per step)")
+    add_device_arguments(p, precision="fp32")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(DEFAULT_SYSTEMS))
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
@@ -373,14 +424,16 @@ def method(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.suite or args.scaling:
-        cases = [dataclasses.replace(c, threads=args.threads) for c in (SUITE if args.suite else SCALING)]
+        cases = [dataclasses.replace(c, threads=args.threads, device=args.device, precision=args.precision)
+                 for c in (SUITE if args.suite else SCALING)]
         systems = tuple(args.systems) if args.suite else ("pytorch", "dpopt")
     elif args.workload and args.batch:
         cases = [Case(args.workload, args.batch, args.seq, args.optimizer, args.rank, args.threads,
-                      args.physical_batch_size)]
+                      args.physical_batch_size, args.device, args.precision)]
         systems = tuple(args.systems)
     else:
         raise ValueError("give --workload and --batch, or --suite, or --scaling")
+    autocast_dtype(args.precision, resolve_device(args.device))  # bad input: one line, before any process starts
     print(method(args), file=sys.stderr if args.json else sys.stdout, flush=True)
     rows = []
     for case in cases:

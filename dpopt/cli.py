@@ -19,6 +19,7 @@ from dpopt.checkpoint import CHECKPOINT, CheckpointError, check_writable, claim_
 from dpopt.clipping import CLIP_MODES
 from dpopt.data.datasets import DATASETS, DatasetNotFound
 from dpopt.data.samplers import SAMPLINGS
+from dpopt.device import add_device_arguments
 from dpopt.distributed import DataParallel, from_environment, launch
 from dpopt.grad.engine import MODES, STRATEGIES
 from dpopt.models import MODELS
@@ -87,6 +88,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--physical-batch-size", type=int, default=d.physical_batch_size, metavar="N",
                    help="examples per forward/backward: a logical (sampled) batch is processed in chunks of at most "
                         "N whose clipped sums are added before the noise; same release, memory set by N")
+    add_device_arguments(p, d.device, precision=d.precision)
     p.add_argument("--clip", type=float, default=d.clip, help="per-example clip norm C")
     p.add_argument("--clipping", default=d.clipping, choices=CLIP_MODES)
     for f in dataclasses.fields(Hyperparameters):

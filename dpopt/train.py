@@ -35,6 +35,7 @@ from dpopt.checkpoint import CheckpointError, check_writable, load_checkpoint, s
 from dpopt.clipping import Clipping
 from dpopt.data.datasets import DATASETS, Dataset, labels_of, load_dataset
 from dpopt.data.samplers import SAMPLINGS, Sampler, make_sampler, sampler_state, take
+from dpopt.device import autocast_dtype, resolve_device, to_device
 from dpopt.distributed import DataParallel
 from dpopt.grad.engine import MODES, STRATEGIES, PerExampleEngine, check_per_example
 from dpopt.models import MODELS, build_model
@@ -76,6 +77,8 @@ class TrainConfig:
     strategy: str = "auto"
     download: bool = False
     physical_batch_size: int = 256  # examples per forward/backward; a logical batch of at most this many is one pass
+    device: str = "cpu"  # cpu, cuda, mps or auto (cuda, else mps, else cpu)
+    precision: str = "fp32"  # fp32, bf16 or fp16 (CUDA): autocast forward/backward, float32 weights, sums, noise
     checkpoint_every: int = 0  # also checkpoint after every N-th step within an epoch (0: at epoch ends only)
     trainable: str | None = None  # regular expression: train only the parameters whose names it matches
     calibration: str = "accountant"  # or "advanced-composition" (DPZero Lemma 2.2: loose, for faithful reproductions)
@@ -116,6 +119,7 @@ class TrainConfig:
                              f"got {self.checkpoint_every}")
         Relation(self.relation)
         Clipping(self.clip, self.clipping)
+        autocast_dtype(self.precision, resolve_device(self.device))
         if self.calibration not in CALIBRATIONS:
             raise ValueError(f"unknown calibration {self.calibration!r}; choose one of {', '.join(CALIBRATIONS)}")
         if self.calibration != "accountant" and (self.epsilon is None or self.noise_kind != "gaussian"):
@@ -179,8 +183,9 @@ def accuracy(model: nn.Module, data: Any, batch_size: int = 1024, parallel: Data
     if parallel is not None:
         index = torch.tensor_split(index, parallel.world_size)[parallel.rank]
     correct = 0
+    device = next(model.parameters()).device
     for chunk in index.split(batch_size):
-        batch = take(data, chunk)
+        batch = to_device(take(data, chunk), device)
         correct += int((logits_of(model, batch).argmax(-1) == labels_of(batch)).sum())
     model.train(was_training)
     if parallel is not None:
@@ -212,12 +217,13 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel:
         warnings.warn(f"delta = {config.delta:g} is not below 1/n = {1 / n:.3g}: such a guarantee allows "
                       "releasing an example outright; use delta << 1/n", stacklevel=2)
     torch.manual_seed(derive_seed(config.seed, "public", "init"))
-    model = build_model(config.model, data)
+    device = resolve_device(config.device)
+    model = build_model(config.model, data).to(device)
     if config.trainable is not None:
         log(freeze_all_but(model, config.trainable))
-    engine = PerExampleEngine(model, classification_loss, config.per_example, config.strategy)
+    engine = PerExampleEngine(model, classification_loss, config.per_example, config.strategy, config.precision)
     engine.check_no_mixing()
-    check_per_example(model, classification_loss, take(data.train, torch.arange(min(8, n))))
+    check_per_example(model, classification_loss, to_device(take(data.train, torch.arange(min(8, n))), device))
 
     if config.secure:
         key = None
@@ -442,7 +448,9 @@ def _metrics(run: Run, history: list[dict[str, Any]], nonfinite: int, wall: floa
         "sample_rate": (run.sampler.participation.rate if isinstance(run.sampler.participation, PoissonSampling)
                         else None),
         "accountant": config.accountant, "relation": config.relation, "nonfinite_examples": nonfinite,
-        "wall_time_s": wall, "cpu_time_s": cpu, "threads": torch.get_num_threads(), "history": history, "ledger": run.ledger.to_dict(),
+        "wall_time_s": wall, "cpu_time_s": cpu, "threads": torch.get_num_threads(),
+        "device": str(run.optimizer.device), "precision": config.precision, "history": history,
+        "ledger": run.ledger.to_dict(),
         "secret_randomness": config.randomness, "config": config.public_dict(), "finished": finished,
     }
     metrics["privacy_statement"] = privacy_statement(run.ledger, config.delta, len(run.data),

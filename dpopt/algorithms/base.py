@@ -23,6 +23,7 @@ import torch
 
 from dpopt.clipping import Clipping, ClipStats, PerExampleStatistic, clip_and_sum
 from dpopt.data.samplers import PoissonSampler, Sampler, distinct_examples, take
+from dpopt.device import to_device
 from dpopt.grad.engine import PerExampleEngine
 from dpopt.noise.correlated import CorrelatedNoise
 from dpopt.noise.gaussian import GaussianNoise
@@ -122,6 +123,11 @@ class DPOptimizer:
         return self.engine.params
 
     @property
+    def device(self) -> torch.device:
+        """The model's device: every batch is moved there, and everything the step allocates lives there."""
+        return self.params[0].device
+
+    @property
     def shapes(self) -> list[torch.Size]:
         """The shapes of the privatized statistic (and of the noise)."""
         return self.engine.shapes if self._shapes is None else self._shapes
@@ -147,7 +153,7 @@ class DPOptimizer:
         """Check once, before the first release, that the engine attributes every layer's gradient to the
         right example, on 3 distinct examples of ``data`` that it picks itself (whatever the size of the
         sampled batches). Reads them, releases nothing."""
-        self.engine.verify(distinct_examples(data, self.privatizer.sampler.dataset_size))
+        self.engine.verify(to_device(distinct_examples(data, self.privatizer.sampler.dataset_size), self.device))
         self.verified = True
 
     def step(self, data: Any) -> StepResult:
@@ -155,19 +161,20 @@ class DPOptimizer:
         tensors indexed along dimension 0, or a callable mapping an index tensor to a batch). The batch (the
         logical batch: one release, one ledger event) goes through the engine in physical batches of at most
         ``physical_batch_size`` examples whose clipped sums are added before the noise: the same release as
-        one pass over the whole batch, with memory set by the physical batch."""
+        one pass over the whole batch, with memory set by the physical batch. ``data`` may stay on the CPU:
+        each physical batch is moved to the model's device."""
         if not self.verified:
             self.verify(data)
         index = self.privatizer.batch(self.steps)
         sums, examples, nonfinite, losses = None, 0, 0, []
         for part in index.split(self.physical_batch_size or index.numel()) if index.numel() else ():
-            grads = self.statistic(take(data, part))
+            grads = self.statistic(to_device(take(data, part), self.device))
             if grads.losses is not None:
                 losses.append(grads.losses[torch.isfinite(grads.losses)])
             sums, stats = self.privatizer.clip(grads, into=sums)
             examples, nonfinite = examples + stats.examples, nonfinite + stats.nonfinite
         if sums is None:  # an empty batch: noise alone
-            sums = [torch.zeros(s, device=self.params[0].device) for s in self.shapes]
+            sums = [torch.zeros(s, device=self.device) for s in self.shapes]
         g = self.privatizer.release(sums, self.steps)
         for t in self.transforms:
             g = t(g)
@@ -200,9 +207,12 @@ class DPOptimizer:
                 "transforms": [t.state_dict() for t in self.transforms], "noise": noise() if noise else {}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a ``state_dict`` (read onto the CPU by ``load_checkpoint``): the transforms' and the noise's
+        tensors are moved to the model's device (a torch optimizer places its own state)."""
         self.steps = state["steps"]
-        self.base.load_state_dict(state["base"])
+        torch_base = isinstance(self.base, torch.optim.Optimizer)
+        self.base.load_state_dict(state["base"] if torch_base else to_device(state["base"], self.device))
         for t, s in zip(self.transforms, state["transforms"]):
-            t.load_state_dict(s)
+            t.load_state_dict(to_device(s, self.device))
         if hasattr(self.privatizer.noise, "load_state_dict"):
-            self.privatizer.noise.load_state_dict(state.get("noise", {}))
+            self.privatizer.noise.load_state_dict(to_device(state.get("noise", {}), self.device))

@@ -33,6 +33,7 @@ from dpopt.algorithms import ALGORITHMS, DPOptimizer, Hyperparameters, Privatize
 from dpopt.audit.bounds import ThresholdTest, threshold_audit
 from dpopt.clipping import Clipping
 from dpopt.data.samplers import PoissonSampler
+from dpopt.device import resolve_device
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.rng import SecretStream, derive_seed, secret_key
 from dpopt.privacy import Participation, PrivacyLedger, check_budget, noise_multiplier_for
@@ -55,6 +56,7 @@ class AuditSpec:
     canary_norm: float = 10.0  # each canary's statistic has norm canary_norm * clip before clipping
     seed: int = 0  # the auditor's canary draw (public to the auditor)
     secret_seed: int | None = None  # the audited runs' secret streams: replayable; None: OS-entropy keys
+    device: str = "cpu"  # where the model-based setups (first-order recipes) run
     hp: Hyperparameters = field(default_factory=lambda: Hyperparameters(lr=0.01))
 
     def __post_init__(self) -> None:
@@ -71,6 +73,7 @@ class AuditSpec:
             raise ValueError(f"the calibration fraction must lie in (0, 1), got {self.calibration}")
         if not self.canary_norm >= 1.0:
             raise ValueError(f"canaries must reach the clip bound (canary_norm >= 1), got {self.canary_norm}")
+        resolve_device(self.device)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from torch import nn
 from dpopt.algorithms import Privatizer, build_algorithm
 from dpopt.audit.auditor import (AuditSpec, Observation, poisson_gaussian_llr, poisson_privatizer, record_releases,
                                  register_audit)
+from dpopt.device import resolve_device
 from dpopt.grad.engine import LossFn, PerExampleEngine
 
 
@@ -53,7 +54,7 @@ class GaussianCanaries:
 
     def observe(self, algorithm: str, spec: AuditSpec, present: torch.Tensor) -> Observation:
         x, privatizer = self.observations(algorithm, spec, present)
-        return Observation(self.score(x, privatizer), privatizer.ledger)
+        return Observation(self.score(x, privatizer).cpu(), privatizer.ledger)
 
     def run_recipe(self, algorithm: str, spec: AuditSpec, model: nn.Module, loss: LossFn, ids: torch.Tensor,
                    configure: Callable[[PerExampleEngine], None] | None = None) -> tuple[torch.Tensor, Privatizer]:
@@ -76,10 +77,10 @@ class DiracRows(GaussianCanaries):
     default_canaries = 1_000_000
 
     def observations(self, algorithm: str, spec: AuditSpec, present: torch.Tensor) -> tuple[torch.Tensor, Privatizer]:
-        k = len(present)
-        model = nn.Embedding(k, 1)
+        k, device = len(present), resolve_device(spec.device)
+        model = nn.Embedding(k, 1, device=device)
         nn.init.zeros_(model.weight)
-        scale = present.float() * (spec.canary_norm * spec.clip)  # an absent canary's slot is zeroed out
+        scale = present.to(device).float() * (spec.canary_norm * spec.clip)  # an absent canary's slot is zeroed out
 
         def loss(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
             return scale[ids] * m(ids).squeeze(-1)
@@ -97,11 +98,13 @@ class ProjectedDirac(GaussianCanaries):
     def observations(self, algorithm: str, spec: AuditSpec, present: torch.Tensor) -> tuple[torch.Tensor, Privatizer]:
         k, r = len(present), self.rank
         inputs = math.ceil(k / r)
-        model = nn.Linear(inputs, 2 * r, bias=False)
+        device = resolve_device(spec.device)
+        model = nn.Linear(inputs, 2 * r, bias=False, device=device)
         nn.init.zeros_(model.weight)
         scale = spec.canary_norm * spec.clip
-        row, col = torch.arange(k) // inputs, torch.arange(k) % inputs  # canary c sits at (j, i) = (row, col)
-        directions = torch.eye(2 * r)[:, :r]  # u_j as columns; replaced by P (P^T P)^{-1} under a projection
+        c = torch.arange(k, device=device)
+        row, col = c // inputs, c % inputs  # canary c sits at (j, i) = (row, col)
+        directions = torch.eye(2 * r, device=device)[:, :r]  # u_j as columns; P (P^T P)^{-1} under a projection
 
         def loss(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
             out = m(F.one_hot(col[ids], inputs).float())

@@ -7,6 +7,7 @@ import json
 
 from dpopt.algorithms import ALGORITHMS
 from dpopt.audit.auditor import AUDIT_SETUPS, AuditSpec, audit
+from dpopt.device import add_device_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,6 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--secret-seed", type=int, metavar="N",
                    help="key the audited runs' secret streams from N, for a reproducible audit (default: fresh "
                         "OS entropy for every run)")
+    add_device_arguments(p)
     p.add_argument("--json", action="store_true",
                    help='print {"epsilon_claimed": ..., "epsilon_lower": ..., "confidence": ...}')
 
@@ -32,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     spec = AuditSpec(epsilon=args.epsilon, delta=args.delta, steps=args.steps, sample_rate=args.sample_rate,
                      canaries=args.canaries, confidence=args.confidence, calibration=args.calibration,
-                     seed=args.seed, secret_seed=args.secret_seed)
+                     seed=args.seed, secret_seed=args.secret_seed, device=args.device)
     result = audit(args.algorithm, spec)
     if args.json:
         print(json.dumps({"epsilon_claimed": result.epsilon_claimed, "epsilon_lower": result.epsilon_lower,

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from dpopt.checkpoint import claim_run_folder
 from dpopt.data.datasets import DATASETS
+from dpopt.device import add_device_arguments
 from dpopt.federated.config import ENGINES, FAILURE_POLICIES, FederatedConfig, build_setup
 from dpopt.federated.partition import SPLITS
 from dpopt.federated.privacy import CALIBRATIONS
@@ -75,6 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "remove the noise (default: a key from OS entropy, drawn per run and never stored)")
     p.add_argument("--secure", action="store_true", help=argparse.SUPPRESS)  # refused: the default now
     p.add_argument("--eval-every", type=int, default=d.eval_every)
+    add_device_arguments(p, d.device)
     p.add_argument("--engine", default="inprocess", choices=ENGINES)
     p.add_argument("--flower-runtime", default="simulation", choices=RUNTIMES,
                    help="with --engine flower: Flower's simulation engine (Ray), or a SuperLink and n SuperNode "
@@ -103,6 +105,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--secure is gone: the clients' noise now comes from OS entropy by default (a key "
                          "drawn per run, never stored); --secret-seed N makes it replayable")
     config = config_from(args)
+    if args.engine == "flower" and config.device != "cpu":
+        raise ValueError(f"--device {config.device} runs the in-process engine on that device; Flower's clients "
+                         "and server run on the CPU (drop --device or use --engine inprocess)")
     mode = "os-entropy-key" if args.secret_seed is None else "secret-seed"
     deployment = args.engine == "flower" and args.flower_runtime == "deployment"
     if args.out is not None:

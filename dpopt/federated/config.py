@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from dpopt.data.datasets import DATASETS, load_dataset
+from dpopt.device import resolve_device, to_device
 from dpopt.federated.partition import SPLITS, partition
 from dpopt.federated.privacy import CALIBRATIONS, LocalNoise, noise_std_for
 from dpopt.federated.problem import FlatLayout, ModelOracle, Problem
@@ -55,6 +56,7 @@ class FederatedConfig:
     on_failure: str = "continue"
     seed: int = 0  # public: partition, initialisation, participation, dropout; never the secret streams
     eval_every: int = 10
+    device: str = "cpu"  # the in-process engine's model, data, client states and noise (Flower runs on the CPU)
 
     def validate(self) -> None:
         for name, known in [("dataset", DATASETS), ("model", MODELS), ("split", SPLITS),
@@ -86,6 +88,7 @@ class FederatedConfig:
             raise ValueError(f"the Dirichlet concentration alpha must be > 0, got {self.dirichlet_alpha}")
         MessageClipping(self.tau, self.clipping, [1])
         self.method()
+        resolve_device(self.device)
 
     def method(self) -> Method:
         beta = self.beta if self.beta is not None else (0.1 if self.algorithm == "clip21-sgd2m" else 1.0)
@@ -126,14 +129,15 @@ def classification_problem(config: FederatedConfig, key: int | bytes | None,
     tensor into the training set per client), its model (initialised from the public seed), the
     cross-entropy objective, and the test accuracy of the server model."""
     data = load_dataset(config.dataset)
-    x_train, y_train = data.train
+    device = resolve_device(config.device)
+    x_train, y_train = to_device(data.train, device)
     if parts is None:
-        parts = partition(y_train, config.clients, config.split, config.dirichlet_alpha, config.seed)
+        parts = partition(data.train[1], config.clients, config.split, config.dirichlet_alpha, config.seed)
     elif len(parts) != config.clients or any(len(p) == 0 for p in parts):
         raise ValueError(f"a given partition needs {config.clients} non-empty index sets (one per client), "
                          f"got {[len(p) for p in parts]}")
     torch.manual_seed(derive_seed(config.seed, "public", "init"))
-    model = build_model(config.model, data)
+    model = build_model(config.model, data).to(device)
     layout = FlatLayout.of(model)
     oracle = ModelOracle(model, lambda out, y: F.cross_entropy(out, y, reduction="none"), x_train, y_train, parts,
                          config.batch_size, key)

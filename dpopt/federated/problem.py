@@ -105,7 +105,7 @@ class ModelOracle:
             chunk = batches[start:start + per_call]
             index = torch.stack([torch.cat([b, b.new_zeros(width - len(b))]) for b in chunk])
             weight = torch.stack([torch.cat([torch.full((len(b),), 1.0 / len(b)), torch.zeros(width - len(b))])
-                                  for b in chunk])
+                                  for b in chunk]).to(x.device)
             rows.append(self.layout.flatten_rows(self._grads(params, self.inputs[index], self.targets[index], weight)))
         grads = torch.cat(rows)
         if self.gradient_noise > 0:

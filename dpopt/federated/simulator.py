@@ -154,5 +154,5 @@ def save_outputs(out: str | Path, metrics: dict[str, Any], x: torch.Tensor) -> N
     tmp = out / "metrics.json.tmp"
     tmp.write_text(json.dumps(metrics, indent=2))
     tmp.replace(out / "metrics.json")
-    torch.save({"x": x.clone()}, out / "model.pt.tmp")
+    torch.save({"x": x.cpu().clone()}, out / "model.pt.tmp")
     (out / "model.pt.tmp").replace(out / "model.pt")

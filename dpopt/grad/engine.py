@@ -16,6 +16,7 @@ runs the whole model through ``torch.func`` instead: the reference the hook path
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Collection, Iterable, Sequence
 
 import torch
@@ -25,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from dpopt.clipping import PerExampleStatistic
+from dpopt.device import FP16_LOSS_SCALE, autocast, autocast_dtype, rng_state, set_rng_state
 from dpopt.grad.captures import (CHUNK_ELEMENTS, Capture, Dense, Outer, by_materializing, check_version, chunks, coalesce,
                                  inner_dense)
 from dpopt.grad.captures import sq_norms as capture_sq_norms
@@ -308,7 +310,8 @@ class PerExampleEngine:
     book-keeping sum) or materialised at once: "auto" keeps whichever form holds fewer elements.
     """
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, mode: str = "hooks", strategy: str = "auto") -> None:
+    def __init__(self, model: nn.Module, loss_fn: LossFn, mode: str = "hooks", strategy: str = "auto",
+                 precision: str = "fp32") -> None:
         if mode not in MODES:
             raise ValueError(f"unknown per-example mode {mode!r}; choose one of {', '.join(MODES)}")
         if strategy not in STRATEGIES:
@@ -319,6 +322,12 @@ class PerExampleEngine:
             raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        autocast_dtype(precision, self.params[0].device)  # refuses an unknown precision, fp16 off CUDA
+        if mode == "vmap" and precision != "fp32":
+            raise ValueError(f"per-example mode 'vmap' (the reference the hooks are tested against) runs in fp32 "
+                             f"only; use mode 'hooks' for {precision}")
+        self.precision = precision
+        self.loss_scale = FP16_LOSS_SCALE  # fp16 only: fixed, never adjusted (docs/design.md)
         self._wrapper = _LossModule(model, loss_fn)
         self._index = {id(p): i for i, p in enumerate(self.params)}
         # Every place a parameter is registered, each module once (a module registered under two names is
@@ -331,6 +340,17 @@ class PerExampleEngine:
         # An optional projection of per-example gradients (DP-GRAPE), applied to each capture in backprop:
         # any object with ``sides`` (projected parameter indices), ``shape(i)`` and ``project(i, capture)``.
         self.projection: Any = None
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward's autocast context for ``precision`` on the parameters' device (none for fp32); the
+        parameters themselves stay in their own dtype (master weights)."""
+        device = self.params[0].device
+        return autocast(device, autocast_dtype(self.precision, device))
+
+    @property
+    def _scale(self) -> float:
+        """The loss scale of the backward: ``loss_scale`` for fp16, else 1."""
+        return self.loss_scale if self.precision == "fp16" else 1.0
 
     @property
     def shapes(self) -> list[torch.Size]:
@@ -388,9 +408,10 @@ class PerExampleEngine:
         pick = lambda idx: tree_unflatten([t[idx] if isinstance(t, torch.Tensor) and t.dim() > 0  # noqa: E731
                                            and t.shape[0] == size else t for t in leaves], spec)
         check_per_example(self.model, self.loss_fn, pick(slice(0, max(examples, min(8, size)))))
-        was_training, projection = self.model.training, self.projection
+        was_training, projection, precision = self.model.training, self.projection, self.precision
         self.model.eval()
-        self.projection = None  # attribution is checked on the unprojected gradients
+        self.projection = None  # attribution is checked on the unprojected gradients, in full precision
+        self.precision = "fp32"
         try:
             if self.mode == "hooks":
                 self._check_uses(pick(slice(0, examples)))
@@ -414,7 +435,7 @@ class PerExampleEngine:
                         "layer's batch dimension first, or use mode='vmap'.")
         finally:
             self.model.train(was_training)
-            self.projection = projection
+            self.projection, self.precision = projection, precision
 
     @torch.no_grad()
     def _check_uses(self, batch: Any) -> None:
@@ -502,7 +523,8 @@ class PerExampleEngine:
     def _hook_gradients(self, batch: Any, b: int, point: dict[str, torch.Tensor],
                         detached: list[torch.Tensor]) -> PerExampleGradients:
         terms: list[list[tuple[float, Capture]]] = [[] for _ in self.params]
-        sink = torch.zeros((), requires_grad=True)
+        scale = self._scale  # captures hold scale * gradient (fp16): their coefficient 1 / scale undoes it
+        sink = torch.zeros((), device=self.params[0].device, requires_grad=True)
         sink_used = False
         inside = 0  # fallback forwards running: torch.func recomputes every call made within them
         calls: list[tuple[_Unit, tuple, dict, list[torch.Tensor], list[torch.Tensor | None]]] = []
@@ -533,9 +555,11 @@ class PerExampleEngine:
                 def on_grad(g: torch.Tensor) -> None:
                     check_version(x, version)
                     g = g.detach() if rows in (1, b) else g.detach().reshape(b, rows // b, *g.shape[1:])
-                    for name, cap in unit.rule(module, x, g, wanted).items():
+                    # under autocast the layer computed in its output's dtype, from its input cast to it
+                    a = x.to(g.dtype) if x.is_floating_point() else x
+                    for name, cap in unit.rule(module, a, g, wanted).items():
                         i = unit.params[name]
-                        terms[i].append((1.0, self._keep(self._project(i, cap))))
+                        terms[i].append((1.0 / scale, self._keep(self._project(i, cap))))
 
                 out.register_hook(on_grad)
                 return out
@@ -574,7 +598,7 @@ class PerExampleEngine:
                    for u in self.units]
         handles += [u.module.register_forward_pre_hook(enter) for u in self.units if u.rule is None]
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), self.autocast():
                 losses = self._check_losses(functional_call(self._wrapper, point, (batch,), tie_weights=False), b)
         finally:
             for h in handles:
@@ -582,7 +606,7 @@ class PerExampleEngine:
         if not sink_used or not losses.requires_grad:
             raise ValueError("the loss does not depend on any trainable parameter through the model's layers "
                              "(or the batch holds tensors that require grad, which is not supported)")
-        torch.autograd.grad(losses.sum(), [sink])
+        torch.autograd.grad(losses.sum() * scale, [sink])
         for unit, args, kwargs, outs, grads in calls:
             cot = {k: g for k, g in enumerate(grads) if g is not None}  # the outputs the loss depends on
             for k, g in cot.items():
@@ -595,9 +619,10 @@ class PerExampleEngine:
             if not cot:
                 continue
             sub = {n: detached[i] for n, i in unit.params.items()}
-            per_example = module_gradients(unit.module, sub, args, kwargs, cot, b)
+            with self.autocast():
+                per_example = module_gradients(unit.module, sub, args, kwargs, cot, b)
             for n, i in unit.params.items():
-                terms[i].append((1.0, Dense(per_example[n], self.params[i].shape)))
+                terms[i].append((1.0 / scale, Dense(per_example[n], self.params[i].shape)))
         return PerExampleGradients(self, b, terms, losses.detach())
 
 
@@ -621,12 +646,13 @@ def check_per_example(model: nn.Module, loss_fn: LossFn, batch: Any) -> None:
                 run.append((f"{name or '<root>'!r} ({type(module).__name__})", out[2:].detach().clone()))
         return hook
 
-    state = torch.random.get_rng_state()
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    state = rng_state(device)
     losses = []
     for run, data in zip(outputs, (batch, swapped)):
         handles = [m.register_forward_hook(record(n, run)) for n, m in model.named_modules()]
         try:
-            torch.random.set_rng_state(state)
+            set_rng_state(state, device)
             losses.append(loss_fn(model, data))
         finally:
             for h in handles:

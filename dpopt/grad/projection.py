@@ -132,10 +132,11 @@ class RandomProjection(Projection):
         return cls(engine.params, engine.names, engine_projectable(engine, rank, exclude), rank, every, seed)
 
     def matrix(self, i: int) -> torch.Tensor:
-        """Regenerated bit-identically from (seed, name, subspace): float32 on the CPU, then moved (P5)."""
+        """Regenerated bit-identically from (seed, name, subspace), float32, by a generator on the weight's device
+        (P5; no host copy per layer: a CUDA run draws other, equally public, matrices than a CPU run)."""
         p = self.params[i]
-        g = public_generator(self.seed, "grape", self.names[i], self.step // self.every)
-        return (torch.randn(min(p.shape), self.rank, generator=g) / math.sqrt(self.rank)).to(p.device)
+        g = public_generator(self.seed, "grape", self.names[i], self.step // self.every, device=p.device)
+        return torch.randn(min(p.shape), self.rank, generator=g, device=p.device) / math.sqrt(self.rank)
 
     def project(self, i: int, capture: Capture) -> Capture:
         """The capture of R_i = P^T G_i or G_i P: the matching factor times P."""

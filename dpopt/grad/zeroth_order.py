@@ -29,6 +29,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from dpopt.clipping import PerExampleStatistic
+from dpopt.device import rng_state, set_rng_state
 from dpopt.grad.engine import PerExampleEngine, batch_size_of
 from dpopt.noise.rng import public_generator
 from dpopt.transforms.base import Transform
@@ -183,8 +184,8 @@ def finite_differences(engine: PerExampleEngine, batch: Any, direction: Directio
 
     The parameters are moved in place to x + λu, then x − λu, then back (restored even if the loss raises).
     Both passes run in eval mode (no dropout) under the same RNG state, so they see the same function
-    (spec pitfall 4). The difference is taken in float64. ``losses`` is (f(x+λu) + f(x−λu)) / 2 ≈ f(x),
-    for progress display only.
+    (spec pitfall 4), autocast to the engine's precision. The difference is taken in float64. ``losses`` is
+    (f(x+λu) + f(x−λu)) / 2 ≈ f(x), for progress display only.
     """
     if not (math.isfinite(smoothing) and smoothing > 0):
         raise ValueError(f"the smoothing lambda must be a finite number > 0, got {smoothing}")
@@ -193,16 +194,18 @@ def finite_differences(engine: PerExampleEngine, batch: Any, direction: Directio
     model = engine.model
     was_training = model.training
     model.eval()
-    rng = torch.random.get_rng_state()
+    rng = rng_state(engine.params[0].device)
     offset = 0.0
     try:
         direction.add_to_params(smoothing, step)
         offset = smoothing
-        plus = engine._check_losses(engine.loss_fn(model, batch), b).double()
+        with engine.autocast():
+            plus = engine._check_losses(engine.loss_fn(model, batch), b).double()
         direction.add_to_params(-2.0 * smoothing, step)
         offset = -smoothing
-        torch.random.set_rng_state(rng)
-        minus = engine._check_losses(engine.loss_fn(model, batch), b).double()
+        set_rng_state(rng, engine.params[0].device)
+        with engine.autocast():
+            minus = engine._check_losses(engine.loss_fn(model, batch), b).double()
     finally:
         if offset:
             direction.add_to_params(-offset, step)
