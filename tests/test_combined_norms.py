@@ -83,3 +83,21 @@ def test_merged_one_hot_captures_equal_their_combination():
 def test_a_negative_squared_norm_is_refused_not_turned_into_a_weight():
     with pytest.raises(FloatingPointError, match="negative"):
         Clipping(1.0).weights(torch.tensor([[1.0, 2.0], [-1e-9, 0.5]]), [0, 1])
+
+
+@pytest.mark.parametrize("coefficients,benign", [((1e3, 1.0 - 1e3), False), ((0.86, 0.14), True)])
+def test_large_combined_parameters_sum_exactly_or_by_book_keeping_as_their_terms_allow(coefficients, benign):
+    """A combination too large to hold per chunk is normed in one pass and summed in another: from the
+    materialised vectors again when the terms cancel (c = 1000), by book-keeping per term when they do not
+    (DiSK's default c = 0.86); one example's released share stays within the bound either way."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 600), torch.nn.Tanh(), torch.nn.Flatten(), torch.nn.Linear(2400, 3))
+    engine = PerExampleEngine(model, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1], reduction="none"))
+    batch = (torch.randn(1, 4, 1024), torch.tensor([1]))
+    near = [p.detach() + 1e-5 * torch.randn_like(p) for p in engine.params]
+    a, b = coefficients
+    stat = a * engine.gradients(batch, at=near) + b * engine.gradients(batch)
+    bound = 1e-3 * float(sum(g.double().square().sum() for g in stat.materialize()).sqrt())
+    sums, _ = clip_and_sum(stat, Clipping(bound))
+    assert stat._benign[0] is benign
+    assert float(sum(s.double().square().sum() for s in sums).sqrt()) <= bound * (1 + 1e-6)
