@@ -173,7 +173,17 @@ class DPOptimizer:
                 losses.append(grads.losses[torch.isfinite(grads.losses)])
             sums, stats = self.privatizer.clip(grads, into=sums)
             examples, nonfinite = examples + stats.examples, nonfinite + stats.nonfinite
-        if sums is None:  # an empty batch: noise alone
+        self.finish(sums)
+        loss = torch.cat(losses) if losses else None
+        examples, nonfinite, loss_sum, loss_count = self.privatizer.total(
+            [examples, nonfinite, 0.0 if loss is None else float(loss.double().sum()),
+             0 if loss is None else loss.numel()])
+        return StepResult(loss_sum / loss_count if loss_count else None, int(examples), int(nonfinite))
+
+    def finish(self, sums: list[torch.Tensor] | None) -> None:
+        """The end of a logical step: release its clipped sums (``None``: an empty batch, noise alone) once,
+        post-process, update the parameters."""
+        if sums is None:
             sums = [torch.zeros(s, device=self.device) for s in self.shapes]
         g = self.privatizer.release(sums, self.steps)
         for t in self.transforms:
@@ -184,11 +194,6 @@ class DPOptimizer:
         for t in self.transforms:
             t.after_update(self.params)
         self.steps += 1
-        loss = torch.cat(losses) if losses else None
-        examples, nonfinite, loss_sum, loss_count = self.privatizer.total(
-            [examples, nonfinite, 0.0 if loss is None else float(loss.double().sum()),
-             0 if loss is None else loss.numel()])
-        return StepResult(loss_sum / loss_count if loss_count else None, int(examples), int(nonfinite))
 
     def update(self, grads: list[torch.Tensor]) -> None:
         """The base update: a torch optimizer reads the gradients from ``.grad``; any other base (e.g. a

@@ -535,92 +535,125 @@ class PerExampleEngine:
 
     def _hook_gradients(self, batch: Any, b: int, point: dict[str, torch.Tensor],
                         detached: list[torch.Tensor]) -> PerExampleGradients:
-        terms: list[list[tuple[float, Capture]]] = [[] for _ in self.params]
-        scale = self._scale  # captures hold scale * gradient (fp16): their coefficient 1 / scale undoes it
         sink = torch.zeros((), device=self.params[0].device, requires_grad=True)
-        sink_used = False
-        inside = 0  # fallback forwards running: torch.func recomputes every call made within them
-        calls: list[tuple[_Unit, tuple, dict, list[torch.Tensor], list[torch.Tensor | None]]] = []
-
-        def attach(t: torch.Tensor) -> torch.Tensor:
-            nonlocal sink_used
-            if t.requires_grad:
-                return t
-            sink_used = True
-            return t + sink.to(t.dtype)
-
-        def rule_hook(unit: _Unit):
-            wanted = set(unit.params)
-
-            def hook(module: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor | None:
-                if inside:
-                    return None
-                arg = args[0] if args else next(iter(kwargs.values()))
-                x, version = arg.detach(), arg._version
-                out = attach(out)
-                rows = x.shape[0]
-                if rows == 1 and b > 1:  # broadcast over the batch (BERT's position_ids buffer, say)
-                    x, out = x.expand(b, *x.shape[1:]), out.expand(b, *out.shape[1:])
-                elif rows != b:
-                    _check_example_major(unit, arg, b)
-                    x = x.reshape(b, rows // b, *x.shape[1:])
-
-                def on_grad(g: torch.Tensor) -> None:
-                    check_version(x, version)
-                    g = g.detach() if rows in (1, b) else g.detach().reshape(b, rows // b, *g.shape[1:])
-                    # under autocast the layer computed in its output's dtype, from its input cast to it
-                    a = x.to(g.dtype) if x.is_floating_point() else x
-                    for name, cap in unit.rule(module, a, g, wanted).items():
-                        i = unit.params[name]
-                        terms[i].append((1.0 / scale, self._keep(self._project(i, cap))))
-
-                out.register_hook(on_grad)
-                return out
-
-            return hook
-
-        def enter(module: nn.Module, args: tuple) -> None:
-            nonlocal inside
-            inside += 1
-
-        def fallback_hook(unit: _Unit):
-            def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
-                nonlocal inside
-                inside -= 1
-                if inside:
-                    return None
-                leaves, spec = tree_flatten(out)
-                floats = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-                grads: list[torch.Tensor | None] = [None] * len(floats)
-                for k, i in enumerate(floats):
-                    leaves[i] = attach(leaves[i])
-                    if leaves[i].dim() > 0 and leaves[i].shape[0] == 1 and b > 1:  # broadcast: per example
-                        leaves[i] = leaves[i].expand(b, *leaves[i].shape[1:])
-
-                    def store(g: torch.Tensor, k: int = k) -> None:
-                        grads[k] = g.detach()
-
-                    leaves[i].register_hook(store)
-                args, kwargs = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, (args, kwargs))
-                calls.append((unit, args, kwargs, [leaves[i] for i in floats], grads))
-                return tree_unflatten(leaves, spec)
-
-            return hook
-
-        handles = [u.module.register_forward_hook(rule_hook(u) if u.rule else fallback_hook(u), with_kwargs=True)
-                   for u in self.units]
-        handles += [u.module.register_forward_pre_hook(enter) for u in self.units if u.rule is None]
+        recording = _Recording(self, b, detached, 1.0 / self._scale, sink)
         try:
             with torch.enable_grad(), self.autocast():
                 losses = self._check_losses(functional_call(self._wrapper, point, (batch,), tie_weights=False), b)
         finally:
-            for h in handles:
-                h.remove()
-        if not sink_used or not losses.requires_grad:
+            recording.remove()
+        if not recording.sink_used or not losses.requires_grad:
             raise ValueError("the loss does not depend on any trainable parameter through the model's layers "
                              "(or the batch holds tensors that require grad, which is not supported)")
-        torch.autograd.grad(losses.sum() * scale, [sink])
-        for unit, args, kwargs, outs, grads in calls:
+        torch.autograd.grad(losses.sum() * self._scale, [sink])
+        return recording.gradients(losses.detach())
+
+    def record(self, batch_size: int, mean: bool = True) -> "_Recording":
+        """Hooks that record the per-example gradients of the next forward and backward the caller runs
+        itself (``loss.backward()`` of a plain training loop), for a batch of ``batch_size`` examples whose
+        loss is the mean (``mean``) or the sum of per-example losses. ``remove()`` the recording after the
+        backward, then ``gradients()``. Forwards without gradients (evaluation) are not recorded."""
+        detached = [p.detach() for p in self.params]
+        return _Recording(self, batch_size, detached, (batch_size if mean else 1.0) / self._scale, None)
+
+
+class _Recording:
+    """The layer hooks of one forward and backward over ``b`` examples. A rule unit captures its input and
+    output gradient; a fallback unit its inputs and output gradients, differentiated per example with
+    ``torch.func`` in ``gradients``; every capture enters with ``coefficient`` (1 / the fp16 loss scale; times
+    b for a mean loss). With a ``sink`` (the engine's own backward, parameters passed as constants), a zero
+    scalar is added to first-layer outputs so that they require grad; without one (a caller's backward) an
+    output that does not require grad is not recorded."""
+
+    def __init__(self, engine: "PerExampleEngine", b: int, detached: list[torch.Tensor], coefficient: float,
+                 sink: torch.Tensor | None) -> None:
+        self.engine, self.b, self.detached, self.coefficient, self.sink = engine, b, detached, coefficient, sink
+        self.sink_used = False
+        self.terms: list[list[tuple[float, Capture]]] = [[] for _ in engine.params]
+        self.calls: list[tuple[_Unit, tuple, dict, list[torch.Tensor], list[torch.Tensor | None]]] = []
+        self.inside = 0  # fallback forwards running: torch.func recomputes every call made within them
+        self.handles = [u.module.register_forward_hook(self._rule_hook(u) if u.rule else self._fallback_hook(u),
+                                                       with_kwargs=True) for u in engine.units]
+        self.handles += [u.module.register_forward_pre_hook(self._enter) for u in engine.units if u.rule is None]
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def _attach(self, t: torch.Tensor) -> torch.Tensor | None:
+        if t.requires_grad:
+            return t
+        if self.sink is None:
+            return None
+        self.sink_used = True
+        return t + self.sink.to(t.dtype)
+
+    def _enter(self, module: nn.Module, args: tuple) -> None:
+        self.inside += 1
+
+    def _rule_hook(self, unit: _Unit):
+        wanted, b, engine = set(unit.params), self.b, self.engine
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor | None:
+            if self.inside:
+                return None
+            arg = args[0] if args else next(iter(kwargs.values()))
+            x, version = arg.detach(), arg._version
+            out = self._attach(out)
+            if out is None:
+                return None
+            rows = x.shape[0]
+            if rows == 1 and b > 1:  # broadcast over the batch (BERT's position_ids buffer, say)
+                x, out = x.expand(b, *x.shape[1:]), out.expand(b, *out.shape[1:])
+            elif rows != b:
+                _check_example_major(unit, arg, b)
+                x = x.reshape(b, rows // b, *x.shape[1:])
+
+            def on_grad(g: torch.Tensor) -> None:
+                check_version(x, version)
+                g = g.detach() if rows in (1, b) else g.detach().reshape(b, rows // b, *g.shape[1:])
+                # under autocast the layer computed in its output's dtype, from its input cast to it
+                a = x.to(g.dtype) if x.is_floating_point() else x
+                for name, cap in unit.rule(module, a, g, wanted).items():
+                    i = unit.params[name]
+                    self.terms[i].append((self.coefficient, engine._keep(engine._project(i, cap))))
+
+            out.register_hook(on_grad)
+            return out
+
+        return hook
+
+    def _fallback_hook(self, unit: _Unit):
+        b = self.b
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+            self.inside -= 1
+            if self.inside:
+                return None
+            leaves, spec = tree_flatten(out)
+            floats = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            attached = [self._attach(leaves[i]) for i in floats]
+            if any(t is None for t in attached):
+                return None
+            grads: list[torch.Tensor | None] = [None] * len(floats)
+            for k, (i, t) in enumerate(zip(floats, attached)):
+                leaves[i] = t.expand(b, *t.shape[1:]) if t.dim() > 0 and t.shape[0] == 1 and b > 1 else t
+
+                def store(g: torch.Tensor, k: int = k) -> None:
+                    grads[k] = g.detach()
+
+                leaves[i].register_hook(store)
+            args, kwargs = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, (args, kwargs))
+            self.calls.append((unit, args, kwargs, [leaves[i] for i in floats], grads))
+            return tree_unflatten(leaves, spec)
+
+        return hook
+
+    def gradients(self, losses: torch.Tensor | None) -> PerExampleGradients:
+        """The recorded per-example gradients, once the backward has run."""
+        b, engine = self.b, self.engine
+        for unit, args, kwargs, outs, grads in self.calls:
             cot = {k: g for k, g in enumerate(grads) if g is not None}  # the outputs the loss depends on
             for k, g in cot.items():
                 if g.dim() == 0 or g.shape[0] != b:
@@ -631,12 +664,12 @@ class PerExampleEngine:
                         "dimension 0 of its inputs and outputs (batch_first=True), or use mode='vmap'")
             if not cot:
                 continue
-            sub = {n: detached[i] for n, i in unit.params.items()}
-            with self.autocast():
+            sub = {n: self.detached[i] for n, i in unit.params.items()}
+            with engine.autocast():
                 per_example = module_gradients(unit.module, sub, args, kwargs, cot, b)
             for n, i in unit.params.items():
-                terms[i].append((1.0 / scale, Dense(per_example[n], self.params[i].shape)))
-        return PerExampleGradients(self, b, terms, losses.detach())
+                self.terms[i].append((self.coefficient, Dense(per_example[n], engine.params[i].shape)))
+        return PerExampleGradients(engine, b, self.terms, losses)
 
 
 @torch.no_grad()

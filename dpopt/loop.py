@@ -1,0 +1,172 @@
+"""One call for a plain PyTorch loop (issue 22): ``make_private`` turns a model, a torch optimizer (or a
+recipe's name), a dataset and a privacy target into what a PyTorch user already drives::
+
+    model, optimizer, batches = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset,
+                                             loss_fn, epsilon=3.0, epochs=5, batch_size=512,
+                                             physical_batch_size=64)
+    for epoch in range(5):
+        for batch in batches:                          # Poisson logical batches, in physical batches
+            optimizer.zero_grad()
+            loss_fn(model, batch).mean().backward()    # the mean of per-example losses (or their sum)
+            optimizer.step()                           # one release after a logical batch's last physical one
+    print(optimizer.epsilon(1e-5))
+
+It is ``DPOptimizer.step`` split at the caller's backward, not a second engine: the engine records each
+physical batch's per-example gradients during ``loss.backward()`` (``PerExampleEngine.record``),
+``Privatizer.clip`` adds their clipped sum to the logical step's running sums, and after the last physical
+batch ``DPOptimizer.finish`` releases them once (noise, ledger) and updates. ``batches`` releases an empty
+Poisson batch itself (noise alone). Attribution is verified on 3 distinct examples before anything is
+released. Recipes whose statistic needs several evaluations per step (DiSK, SRG, zeroth-order) are refused
+here for now: drive them with ``DPOptimizer.step(data)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils.data import default_collate
+
+from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
+from dpopt.algorithms.base import DPOptimizer
+from dpopt.clipping import Clipping
+from dpopt.data.samplers import PoissonSampler, take
+from dpopt.device import to_device
+from dpopt.grad.engine import LossFn, PerExampleEngine
+from dpopt.noise.gaussian import GaussianNoise
+from dpopt.noise.rng import SecretStream, secret_key
+from dpopt.privacy import PrivacyLedger, noise_multiplier_for
+
+
+class PrivateOptimizer:
+    """What the loop calls ``optimizer``: ``zero_grad()`` and ``step()`` after each physical batch's backward.
+    The gradients autograd leaves in ``.grad`` are not private and are discarded; the update uses the release."""
+
+    def __init__(self, dp: DPOptimizer, mean: bool) -> None:
+        self.dp, self.mean = dp, mean
+        self._recording: Any = None
+        self._last = False
+        self._sums: list[torch.Tensor] | None = None
+
+    @property
+    def ledger(self) -> PrivacyLedger:
+        return self.dp.privatizer.ledger
+
+    def epsilon(self, delta: float) -> float:
+        return self.ledger.epsilon(delta)
+
+    def begin(self, size: int, last: bool) -> None:
+        """A physical batch of ``size`` examples is handed to the loop (``last``: of its logical batch)."""
+        if self._recording is not None:
+            self._recording.remove()
+            raise RuntimeError("optimizer.step() must follow every physical batch's backward")
+        self._recording, self._last = self.dp.engine.record(size, self.mean), last
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.dp.params:
+            p.grad = None
+
+    def step(self) -> None:
+        recording, self._recording = self._recording, None
+        if recording is None:
+            raise RuntimeError("optimizer.step() without a batch: iterate over the batches make_private returned")
+        recording.remove()
+        grads = recording.gradients(None)
+        if not any(grads.terms):
+            raise RuntimeError("no per-example gradient was recorded: call loss.backward() before optimizer.step()")
+        self._sums, _ = self.dp.privatizer.clip(grads, into=self._sums)
+        self.zero_grad()  # autograd's batch gradient of this physical batch: not private
+        if self._last:
+            sums, self._sums = self._sums, None
+            self.dp.finish(sums)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.dp.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dp.load_state_dict(state)
+
+
+class PrivateBatches:
+    """One epoch of Poisson-sampled logical batches, each handed out in physical batches on the model's device."""
+
+    def __init__(self, dp: DPOptimizer, data: Any, optimizer: PrivateOptimizer) -> None:
+        self.dp, self.data, self.optimizer = dp, data, optimizer
+
+    def __len__(self) -> int:
+        return self.dp.privatizer.sampler.steps_per_epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        for _ in range(len(self)):
+            index = self.dp.privatizer.batch(self.dp.steps)
+            if not index.numel():
+                self.dp.finish(None)  # an empty logical batch is released too: noise alone
+                continue
+            parts = index.split(self.dp.physical_batch_size or index.numel())
+            for k, part in enumerate(parts):
+                self.optimizer.begin(part.numel(), last=k == len(parts) - 1)
+                yield to_device(take(self.data, part), self.dp.device)
+
+
+def _indexable(data: Any) -> tuple[Any, int]:
+    """``data`` as ``take`` reads it (tensors, a pytree of tensors, or a map-style dataset collated), and its size."""
+    if isinstance(data, torch.utils.data.Dataset) or (hasattr(data, "__getitem__") and not isinstance(
+            data, (torch.Tensor, tuple, list, dict))):
+        if not hasattr(data, "__len__"):
+            raise ValueError("the dataset has no __len__: Poisson sampling needs the number of examples")
+        return (lambda index: default_collate([data[i] for i in index.tolist()])), len(data)
+    leaves = [t for t in torch.utils._pytree.tree_flatten(data)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if not leaves:
+        raise ValueError("data must be a map-style dataset or tensors with the examples on dimension 0")
+    return data, leaves[0].shape[0]
+
+
+def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | str, data: Any, loss_fn: LossFn, *,
+                 batch_size: int, epochs: int = 1, epsilon: float | None = None,
+                 noise_multiplier: float | None = None, delta: float = 1e-5, clip: float = 1.0,
+                 clipping: str = "flat", physical_batch_size: int | None = None, loss_reduction: str = "mean",
+                 accountant: str = "pld", secret_seed: int | None = None,
+                 hp: Hyperparameters | None = None) -> tuple[nn.Module, PrivateOptimizer, PrivateBatches]:
+    """The model, a ``PrivateOptimizer`` and the ``PrivateBatches`` of one epoch, for ``epochs`` epochs of
+    Poisson batches of expected size ``batch_size`` at (``epsilon``, ``delta``), or at ``noise_multiplier``.
+    ``optimizer``: a torch optimizer over the model's trainable parameters, or a recipe's name (``hp`` then
+    sets its hyper-parameters). ``loss_fn(model, batch) -> [B]`` is the per-example loss the loop averages
+    (``loss_reduction="mean"``) or sums (``"sum"``); the attribution check runs it. The secret key is fresh OS
+    entropy unless ``secret_seed`` is given (replayable noise, for tests and reproductions)."""
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+    if (epsilon is None) == (noise_multiplier is None):
+        raise ValueError("give exactly one of epsilon (the noise is calibrated to it) or noise_multiplier")
+    data, n = _indexable(data)
+    engine = PerExampleEngine(model, loss_fn)
+    key = secret_key(secret_seed)
+    sampler = PoissonSampler.with_batch_size(n, batch_size, SecretStream(key, "sampling"))
+    ledger = PrivacyLedger(accountant=accountant)
+    if noise_multiplier is None:
+        noise_multiplier = noise_multiplier_for(epsilon, delta, sampler.participation, epochs * sampler.steps_per_epoch,
+                                                accountant)
+    privatizer = Privatizer(Clipping(clip, clipping), GaussianNoise(noise_multiplier, clip, SecretStream(key, "noise")), sampler,
+                            ledger)
+    if isinstance(optimizer, str):
+        dp = build_algorithm(optimizer, engine, privatizer, hp or Hyperparameters())
+    else:
+        _check_optimizer(optimizer, engine)
+        dp = DPOptimizer(engine, privatizer, optimizer)
+    if dp._statistic is not None:
+        raise ValueError(f"{optimizer!r} privatizes a statistic evaluated several times per step (DiSK, SRG, "
+                         "zeroth-order): drive it with DPOptimizer.step(data) for now")
+    dp.physical_batch_size = physical_batch_size
+    dp.verify(data)
+    private = PrivateOptimizer(dp, loss_reduction == "mean")
+    return model, private, PrivateBatches(dp, data, private)
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, engine: PerExampleEngine) -> None:
+    mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    theirs = {id(p) for p in engine.params}
+    if mine != theirs:
+        raise ValueError(f"the optimizer's parameters are not the model's trainable parameters ({len(mine)} "
+                         f"tensors given, the model trains {len(theirs)}): build it from model.parameters()")
+
+

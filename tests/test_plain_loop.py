@@ -1,0 +1,107 @@
+"""The one-call entry for a plain PyTorch loop: the caller's own forward, ``loss.backward()`` and
+``optimizer.step()`` release exactly what ``DPOptimizer.step`` releases."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import IterableDataset, TensorDataset
+
+from dpopt.loop import make_private
+
+
+def setup(physical=16, **kwargs):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x, y = torch.randn(200, 6, dtype=torch.float64), torch.randint(0, 3, (200,))
+    loss = lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none")  # noqa: E731
+    optimizer = kwargs.pop("optimizer", None) or torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5)
+    data = kwargs.pop("data", None) or (x, y)
+    return make_private(model, optimizer, data, loss, batch_size=40, noise_multiplier=0.5, clip=0.1,
+                        physical_batch_size=physical, secret_seed=0, **kwargs), loss
+
+
+def run_loop(model, optimizer, batches, loss, epochs=2):
+    for _ in range(epochs):
+        for batch in batches:
+            optimizer.zero_grad()
+            loss(model, batch).mean().backward()
+            optimizer.step()
+
+
+@pytest.mark.parametrize("physical", [16, None])
+def test_the_plain_loop_equals_dpoptimizer_step(physical):
+    (model, optimizer, batches), loss = setup(physical)
+    run_loop(model, optimizer, batches, loss)
+    (reference, dp_optimizer, reference_batches), _ = setup(physical)
+    for _ in range(2 * len(reference_batches)):
+        dp_optimizer.dp.step(reference_batches.data)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p, q, rtol=0, atol=1e-12)
+    assert optimizer.dp.steps == dp_optimizer.dp.steps == 10
+    assert optimizer.ledger.to_dict() == dp_optimizer.ledger.to_dict()
+    assert optimizer.epsilon(1e-5) == dp_optimizer.epsilon(1e-5)
+
+
+def test_a_map_style_dataset_and_a_recipe_name_train_the_same_way():
+    (model, optimizer, batches), loss = setup(optimizer="dp-sgd")
+    run_loop(model, optimizer, batches, loss, epochs=1)
+    x, y = batches.data
+    (other, optimizer2, batches2), _ = setup(optimizer="dp-sgd", data=TensorDataset(x, y))
+    run_loop(other, optimizer2, batches2, loss, epochs=1)
+    for p, q in zip(model.parameters(), other.parameters()):
+        assert torch.allclose(p, q, rtol=0, atol=1e-12)
+
+
+def test_bad_input_is_refused():
+    model = nn.Linear(6, 3)
+    loss = lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none")  # noqa: E731
+    data = (torch.randn(50, 6), torch.randint(0, 3, (50,)))
+    with pytest.raises(ValueError, match="not the model's trainable parameters"):
+        make_private(model, torch.optim.SGD(nn.Linear(6, 3).parameters(), lr=0.1), data, loss, batch_size=10,
+                     noise_multiplier=1.0)
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from zip(*data)
+
+    with pytest.raises(ValueError, match="no __len__"):
+        make_private(model, "dp-sgd", Stream(), loss, batch_size=10, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="DPOptimizer.step"):
+        make_private(model, "disk-sgd", data, loss, batch_size=10, noise_multiplier=1.0)
+    _, optimizer, batches = make_private(model, "dp-sgd", data, loss, batch_size=10, noise_multiplier=1.0)
+    with pytest.raises(RuntimeError, match="without a batch"):
+        optimizer.step()
+    it = iter(batches)
+    next(it)
+    with pytest.raises(RuntimeError, match="loss.backward"):
+        optimizer.step()
+    next(it)
+    with pytest.raises(RuntimeError, match="must follow every physical batch"):
+        next(it)
+
+
+def test_every_layer_rule_and_the_fallback_record_the_callers_backward():
+    """The zoo (embedding, convolutions, norms, a Linear used twice, a torch.func fallback module): one
+    logical step through the plain loop releases what ``DPOptimizer.step`` releases."""
+    from helpers import Zoo, zoo_batch, zoo_loss
+
+    def build():
+        torch.manual_seed(0)
+        model = Zoo().double()
+        tokens, image, y = zoo_batch(24)
+        data = (tokens, image.double(), y)
+        return make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), data, zoo_loss, batch_size=12,
+                            noise_multiplier=0.5, clip=0.1, physical_batch_size=5, secret_seed=1)
+
+    model, optimizer, batches = build()
+    it = iter(batches)
+    while optimizer.dp.steps == 0:
+        batch = next(it)
+        optimizer.zero_grad()
+        zoo_loss(model, batch).mean().backward()
+        optimizer.step()
+    reference, dp_optimizer, reference_batches = build()
+    dp_optimizer.dp.step(reference_batches.data)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p, q, rtol=0, atol=1e-12)
