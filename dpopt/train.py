@@ -79,7 +79,11 @@ class TrainConfig:
     checkpoint_every: int = 0  # also checkpoint after every N-th step within an epoch (0: at epoch ends only)
     trainable: str | None = None  # regular expression: train only the parameters whose names it matches
     calibration: str = "accountant"  # or "advanced-composition" (DPZero Lemma 2.2: loose, for faithful reproductions)
-    hp: Hyperparameters = Hyperparameters()
+    hp: Hyperparameters | None = None  # None: the algorithm's defaults (Hyperparameters.for_algorithm)
+
+    def __post_init__(self) -> None:
+        if self.hp is None:  # resolved here, so the config (and the checkpoint) holds the values the run uses
+            object.__setattr__(self, "hp", Hyperparameters.for_algorithm(self.algorithm))
 
     def validate(self) -> None:
         for name, known in [("algorithm", ALGORITHMS), ("dataset", DATASETS), ("model", MODELS),
@@ -283,7 +287,7 @@ def build_run_noise(config: TrainConfig, sampler: Sampler, total: int, clip: flo
 
 
 def _state(run: Run, history: list[dict[str, Any]], wall: float, cpu: float, epoch_losses: list[float],
-           epoch_nonfinite: int) -> dict[str, Any]:
+           epoch_nonfinite: int, epoch_clipped: list[int]) -> dict[str, Any]:
     """A checkpoint: model, optimizer, ledger, sampler and RNG state, and the current epoch's partial statistics.
     The secret streams and the sampler are counter-based (their state is the run's secret key plus the next
     step: the key makes the checkpoint private); the public torch generator is re-seeded every step and is
@@ -298,7 +302,8 @@ def _state(run: Run, history: list[dict[str, Any]], wall: float, cpu: float, epo
             "rng": {"torch": torch.get_rng_state(), "secret_next_step": steps, "secure": run.config.secure,
                     "secret_key": run.secret_key},
             "history": history, "wall_time_s": wall, "cpu_time_s": cpu,
-            "epoch_losses": list(epoch_losses), "epoch_nonfinite": epoch_nonfinite}
+            "epoch_losses": list(epoch_losses), "epoch_nonfinite": epoch_nonfinite,
+            "epoch_clipped": list(epoch_clipped)}
 
 
 def _saved_key(state: dict[str, Any]) -> int | bytes | None:
@@ -353,12 +358,14 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
     history: list[dict[str, Any]] = []
     losses: list[float] = []  # this epoch's step losses
     epoch_nonfinite = 0
+    epoch_clipped = [0, 0]  # this epoch's clipped and clip-stage examples
     wall = cpu = 0.0
     if _resume_state is not None:
         _restore(run, _resume_state)
         history = list(_resume_state["history"])
         losses = list(_resume_state.get("epoch_losses", []))
         epoch_nonfinite = int(_resume_state.get("epoch_nonfinite", 0))
+        epoch_clipped = list(_resume_state.get("epoch_clipped", [0, 0]))
         wall, cpu = float(_resume_state["wall_time_s"]), float(_resume_state["cpu_time_s"])
     if parallel is not None:
         parallel.broadcast_(run.optimizer.params)  # rank 0's starting point everywhere
@@ -373,6 +380,7 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
             torch.manual_seed(derive_seed(config.seed, "public", "step", run.optimizer.steps))  # dropout; not secret
             result = run.optimizer.step(run.data.train)
             epoch_nonfinite += result.nonfinite
+            epoch_clipped = [epoch_clipped[0] + result.clipped, epoch_clipped[1] + result.examples]
             steps = run.optimizer.steps
             if result.loss is not None:
                 losses.append(result.loss)
@@ -384,7 +392,8 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
                                 eps=bar_epsilon(run.ledger, config.delta))
             if out is not None and every and steps % every == 0 and steps % per_epoch:  # epoch ends: below
                 save_checkpoint(out, _state(run, history, time.perf_counter() - start,
-                                            time.process_time() - cpu_start, losses, epoch_nonfinite))
+                                            time.process_time() - cpu_start, losses, epoch_nonfinite,
+                                            epoch_clipped))
         if epoch_nonfinite and (parallel is None or parallel.lead):
             warnings.warn(f"{epoch_nonfinite} examples had non-finite gradients in epoch {epoch + 1}; "
                           "they contributed zero to the update", stacklevel=2)
@@ -392,11 +401,12 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
         acc = accuracy(run.model, run.data.test, parallel=parallel)
         eps = run.ledger.epsilon(config.delta)
         history.append({"epoch": epoch + 1, "step": run.optimizer.steps, "test_accuracy": acc, "epsilon": eps,
-                        "train_loss": sum(losses) / max(1, len(losses)), "nonfinite": epoch_nonfinite})
-        losses, epoch_nonfinite = [], 0
+                        "train_loss": sum(losses) / max(1, len(losses)), "nonfinite": epoch_nonfinite,
+                        "clipped_fraction": epoch_clipped[0] / max(1, epoch_clipped[1])})
+        losses, epoch_nonfinite, epoch_clipped = [], 0, [0, 0]
         if out is not None:
             wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-            save_checkpoint(out, _state(run, history, wall, cpu, losses, epoch_nonfinite))
+            save_checkpoint(out, _state(run, history, wall, cpu, losses, epoch_nonfinite, epoch_clipped))
             _write_metrics(out, _metrics(run, history, nonfinite, wall, cpu, finished=False))
         if writer is not None:
             for key, value in history[-1].items():
@@ -404,6 +414,10 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
         log(f"epoch {epoch + 1}/{config.epochs}: test accuracy {acc:.4f}, epsilon {eps:.4g}")
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     metrics = _metrics(run, history, nonfinite, wall, cpu, finished=True)
+    warning = chance_warning(run, history[-1])
+    if warning is not None and (parallel is None or parallel.lead):
+        log(f"WARNING: {warning}")
+        warnings.warn(warning, stacklevel=2)
     if out is not None:
         _write_metrics(out, metrics)
         export_model(run.model, Path(out, MODEL_DIR))
@@ -413,6 +427,30 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
         writer.close()
     log(metrics["privacy_statement"])
     return metrics
+
+
+def chance_warning(run: Run, last: dict[str, Any], margin: float = 0.02) -> str | None:
+    """A warning, with its likely cause, for a run whose final test accuracy is within ``margin`` of chance
+    (1 / classes); None otherwise. The causes come from the run: the fraction of examples the clip stage scaled
+    down in the last epoch, and the noise-to-signal ratio sigma * sqrt(d) / B, the norm of the noise
+    N(0, sigma^2 C^2 I_d) over the largest possible norm of a clipped sum of B (expected batch) examples, B * C."""
+    classes = run.data.num_classes
+    if last["test_accuracy"] > 1 / classes + margin:
+        return None
+    d = sum(p.numel() for p in run.optimizer.params)
+    ratio = run.optimizer.privatizer.noise.noise_multiplier * math.sqrt(d) / run.config.batch_size
+    clipped = last.get("clipped_fraction", 0.0)
+    if ratio > 10:
+        cause = (f"the noise is {ratio:.3g} times the signal (sigma * sqrt(d) / B with sigma the noise multiplier, "
+                 f"d = {d} parameters, B = {run.config.batch_size}): use a larger --batch-size or --epsilon, or a "
+                 "smaller model")
+    elif clipped > 0.99:
+        cause = (f"every update was clipped ({clipped:.0%} of the last epoch's examples): the clipped gradients "
+                 "only carry directions; try another --lr (or a larger --clip)")
+    else:
+        cause = f"the learning rate --lr {run.config.hp.lr:g} is likely too large or too small for this algorithm"
+    return (f"test accuracy {last['test_accuracy']:.4f} is at chance (1/{classes}): likely cause: {cause}. "
+            f"Noise-to-signal ratio {ratio:.3g}; {clipped:.0%} of the last epoch's examples were clipped.")
 
 
 def bar_epsilon(ledger: PrivacyLedger, delta: float) -> str:
