@@ -415,9 +415,10 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     metrics = _metrics(run, history, nonfinite, wall, cpu, finished=True)
     warning = chance_warning(run, history[-1])
-    if warning is not None and (parallel is None or parallel.lead):
-        log(f"WARNING: {warning}")
-        warnings.warn(warning, stacklevel=2)
+    if warning is not None:
+        metrics["warning"] = warning
+        if parallel is None or parallel.lead:
+            warnings.warn(warning, stacklevel=2)
     if out is not None:
         _write_metrics(out, metrics)
         export_model(run.model, Path(out, MODEL_DIR))
@@ -445,8 +446,8 @@ def chance_warning(run: Run, last: dict[str, Any], margin: float = 0.02) -> str 
                  f"d = {d} parameters, B = {run.config.batch_size}): use a larger --batch-size or --epsilon, or a "
                  "smaller model")
     elif clipped > 0.99:
-        cause = (f"every update was clipped ({clipped:.0%} of the last epoch's examples): the clipped gradients "
-                 "only carry directions; try another --lr (or a larger --clip)")
+        cause = (f"every update was clipped ({clipped:.0%} of the last epoch's examples), so each step moves at "
+                 f"most lr * C = {run.config.hp.lr * run.config.clip:.3g}: raise --clip or --lr")
     else:
         cause = f"the learning rate --lr {run.config.hp.lr:g} is likely too large or too small for this algorithm"
     return (f"test accuracy {last['test_accuracy']:.4f} is at chance (1/{classes}): likely cause: {cause}. "
