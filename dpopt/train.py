@@ -44,6 +44,7 @@ from dpopt.noise.mechanisms import NOISES, build_noise
 from dpopt.noise.rng import SecretStream, derive_seed, secret_key
 from dpopt.privacy import (PoissonSampling, PrivacyLedger, Relation, advanced_composition_noise, check_budget,
                            noise_multiplier_for)
+from dpopt import report
 from dpopt.report import CURVES, LOG, TENSORBOARD, logging_to, plot_curves, tensorboard_writer
 from dpopt.privacy.ledger import ACCOUNTANTS
 from dpopt.privacy.statement import privacy_statement
@@ -430,28 +431,17 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
     return metrics
 
 
-def chance_warning(run: Run, last: dict[str, Any], margin: float = 0.02) -> str | None:
-    """A warning, with its likely cause, for a run whose final test accuracy is within ``margin`` of chance
-    (1 / classes); None otherwise. The causes come from the run: the fraction of examples the clip stage scaled
-    down in the last epoch, and the noise-to-signal ratio sigma * sqrt(d) / B, the norm of the noise
-    N(0, sigma^2 C^2 I_d) over the largest possible norm of a clipped sum of B (expected batch) examples, B * C."""
-    classes = run.data.num_classes
-    if last["test_accuracy"] > 1 / classes + margin:
-        return None
+def chance_warning(run: Run, last: dict[str, Any]) -> str | None:
+    """``report.chance_warning`` for a run whose last evaluation is ``last``: the noise-to-signal ratio
+    sigma * sqrt(d) / B is the norm of the noise N(0, sigma^2 C^2 I_d) over the largest norm of a clipped sum of
+    B (expected batch) examples, B * C; clipped is the fraction of the last epoch's examples clipped."""
     d = sum(p.numel() for p in run.optimizer.params)
     ratio = run.optimizer.privatizer.noise.noise_multiplier * math.sqrt(d) / run.config.batch_size
-    clipped = last.get("clipped_fraction", 0.0)
-    if ratio > 10:
-        cause = (f"the noise is {ratio:.3g} times the signal (sigma * sqrt(d) / B with sigma the noise multiplier, "
-                 f"d = {d} parameters, B = {run.config.batch_size}): use a larger --batch-size or --epsilon, or a "
-                 "smaller model")
-    elif clipped > 0.99:
-        cause = (f"every update was clipped ({clipped:.0%} of the last epoch's examples), so each step moves at "
-                 f"most lr * C = {run.config.hp.lr * run.config.clip:.3g}: raise --clip or --lr")
-    else:
-        cause = f"the learning rate --lr {run.config.hp.lr:g} is likely too large or too small for this algorithm"
-    return (f"test accuracy {last['test_accuracy']:.4f} is at chance (1/{classes}): likely cause: {cause}. "
-            f"Noise-to-signal ratio {ratio:.3g}; {clipped:.0%} of the last epoch's examples were clipped.")
+    return report.chance_warning(
+        last["test_accuracy"], run.data.num_classes, f"sigma * sqrt(d) / B, d = {d} parameters, "
+        f"B = {run.config.batch_size}", ratio, last.get("clipped_fraction", 0.0),
+        "use a larger --batch-size or --epsilon, or a smaller model",
+        f"each step moves at most lr * C = {run.config.hp.lr * run.config.clip:.3g}; raise --clip or --lr")
 
 
 def bar_epsilon(ledger: PrivacyLedger, delta: float) -> str:
