@@ -69,3 +69,14 @@ def test_chance_warning_names_the_noise_to_signal_ratio():
     assert chance_warning(run, {"test_accuracy": 0.13, "clipped_fraction": 1.0}) is None  # above chance + 2 points
     quiet_run = _fake_run(noise_multiplier=1.0, batch_size=128, d=10_000)
     assert "learning rate" in chance_warning(quiet_run, {"test_accuracy": 0.1, "clipped_fraction": 0.5})
+
+
+def test_a_federated_run_at_chance_warns_that_the_noise_drowns_the_signal():
+    """Noise multiplier 1e4 on the digits MLP: the noise of the mean message is about 3e5 times its clipped norm."""
+    from dpopt.federated.config import FederatedConfig, build_setup
+    from dpopt.federated.simulator import run_inprocess
+
+    with pytest.warns(UserWarning, match="at chance .*the noise is .* times the signal"):
+        result = run_inprocess(build_setup(FederatedConfig(noise_multiplier=1e4, rounds=3, lr=1.0), key=0),
+                               progress=False, log=quiet)
+    assert result.metrics["test_accuracy"] <= 0.12 and "sigma * sqrt(d / n) / tau" in result.metrics["warning"]
