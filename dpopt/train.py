@@ -288,7 +288,7 @@ def build_run_noise(config: TrainConfig, sampler: Sampler, total: int, clip: flo
 
 
 def _state(run: Run, history: list[dict[str, Any]], wall: float, cpu: float, epoch_losses: list[float],
-           epoch_nonfinite: int, epoch_clipped: list[int]) -> dict[str, Any]:
+           epoch_nonfinite: int, epoch_clipped: tuple[int, int] | list[int] = (0, 0)) -> dict[str, Any]:
     """A checkpoint: model, optimizer, ledger, sampler and RNG state, and the current epoch's partial statistics.
     The secret streams and the sampler are counter-based (their state is the run's secret key plus the next
     step: the key makes the checkpoint private); the public torch generator is re-seeded every step and is
