@@ -108,7 +108,8 @@ def clip_and_sum(grads: PerExampleStatistic, clipping: Clipping, release: bool =
         nonlocal nonfinite, clipped
         w, finite = clipping.weights(sq_norms, grads.groups)
         nonfinite += int((~finite).sum())
-        clipped += int(((w < 1).any(1) & finite).sum())
+        smallest = w[:, 0] if w.stride(1) == 0 else w.amin(1)  # one weight per example (flat) or per part
+        clipped += int(((smallest < 1) & finite).sum())
         return w
 
     sums = grads.clipped_sum(weigh, release, into)
