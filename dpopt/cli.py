@@ -14,7 +14,7 @@ import textwrap
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
-from dpopt.algorithms import ALGORITHMS, NON_PRIVATE, Hyperparameters
+from dpopt.algorithms import ALGORITHMS, DEFAULTS, NON_PRIVATE, Hyperparameters
 from dpopt.checkpoint import CHECKPOINT, CheckpointError, check_writable, claim_run_folder, load_checkpoint
 from dpopt.clipping import CLIP_MODES
 from dpopt.data.datasets import DATASETS, DatasetNotFound
@@ -69,10 +69,27 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _defaults_text(name: str, default: Any) -> str:
+    """'default: 0.5; 0.01 for dp-adam, dp-adamw': a hyper-parameter's default and the recipes' own."""
+    own: dict[Any, list[str]] = {}
+    for algorithm, values in sorted(DEFAULTS.items()):
+        if name in values:
+            own.setdefault(values[name], []).append(algorithm)
+    shown = lambda v: " ".join(map(str, v)) if isinstance(v, tuple) else str(v)  # noqa: E731
+    return "; ".join([f"default: {shown(default)}", *(f"{shown(v)} for {', '.join(a)}" for v, a in own.items())])
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None (a hyper-parameter's default depends on the algorithm: its help says it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def _add_train(sub: argparse._SubParsersAction) -> None:
     d = TrainConfig()
     p = sub.add_parser("train", help="private training run (default: the digits demo)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=_HelpFormatter)
     p.add_argument("--algorithm", default=d.algorithm, choices=sorted(ALGORITHMS))
     p.add_argument("--dataset", default=d.dataset, choices=sorted(DATASETS))
     p.add_argument("--model", default=d.model, choices=sorted(MODELS))
@@ -91,15 +108,15 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     add_device_arguments(p, d.device, precision=d.precision)
     p.add_argument("--clip", type=float, default=d.clip, help="per-example clip norm C")
     p.add_argument("--clipping", default=d.clipping, choices=CLIP_MODES)
-    for f in dataclasses.fields(Hyperparameters):
-        default = getattr(d.hp, f.name)
-        flag = "--" + f.name.replace("_", "-")
+    for f in dataclasses.fields(Hyperparameters):  # default None: the algorithm's own (for_algorithm)
+        default = f.default
+        flag, text = "--" + f.name.replace("_", "-"), f"{f.metadata['help']} ({_defaults_text(f.name, default)})"
         if isinstance(default, tuple):
-            p.add_argument(flag, type=type(default[0]), nargs=len(default), default=default, help=f.metadata["help"])
+            p.add_argument(flag, type=type(default[0]), nargs=len(default), help=text)
         elif isinstance(default, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, help=text)
         else:
-            p.add_argument(flag, type=type(default), default=default, help=f.metadata["help"])
+            p.add_argument(flag, type=type(default), help=text)
     p.add_argument("--seed", type=int, default=d.seed,
                    help="public seed: initialisation, projections, directions, dropout (never the noise)")
     secret = p.add_mutually_exclusive_group()
@@ -328,8 +345,8 @@ def _train(args: argparse.Namespace) -> int:
         if (values["epsilon"] is None and values["noise_multiplier"] is None
                 and values["algorithm"] not in NON_PRIVATE):
             values["epsilon"] = DEFAULT_EPSILON
-        hp = Hyperparameters(**{f.name: tuple(v) if isinstance(v, list) else v
-                                for f in dataclasses.fields(Hyperparameters) for v in [getattr(args, f.name)]})
+        hp = Hyperparameters.for_algorithm(args.algorithm, **{f.name: getattr(args, f.name)
+                                                              for f in dataclasses.fields(Hyperparameters)})
         config = TrainConfig(**values, hp=hp)
         config.validate()
         if args.out is not None:

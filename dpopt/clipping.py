@@ -73,6 +73,7 @@ class Clipping:
 class ClipStats:
     examples: int
     nonfinite: int
+    clipped: int = 0  # finite examples scaled down (some weight < 1): their gradient norm exceeded the bound
 
 
 class PerExampleStatistic(Protocol):
@@ -101,13 +102,15 @@ def clip_and_sum(grads: PerExampleStatistic, clipping: Clipping, release: bool =
                  into: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], ClipStats]:
     """The clipped sum sum_i clip(g_i) per parameter (``clipped_sum``, weights from ``Clipping.weights``);
     ``release`` lets the statistic free its per-example storage while summing (the private step's use)."""
-    nonfinite = 0
+    nonfinite = clipped = 0
 
     def weigh(sq_norms: torch.Tensor) -> torch.Tensor:
-        nonlocal nonfinite
+        nonlocal nonfinite, clipped
         w, finite = clipping.weights(sq_norms, grads.groups)
         nonfinite += int((~finite).sum())
+        smallest = w[:, 0] if w.stride(1) == 0 else w.amin(1)  # one weight per example (flat) or per part
+        clipped += int(((smallest < 1) & finite).sum())
         return w
 
     sums = grads.clipped_sum(weigh, release, into)
-    return sums, ClipStats(grads.batch_size, nonfinite)
+    return sums, ClipStats(grads.batch_size, nonfinite, clipped)

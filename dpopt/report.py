@@ -24,6 +24,23 @@ def logging_to(path: Path, log: Callable[[str], None]) -> Callable[[str], None]:
     return both
 
 
+def chance_warning(accuracy: float, classes: int, noise_to_signal: str, ratio: float, clipped: float,
+                   noise_fix: str, clip_fix: str, margin: float = 0.02) -> str | None:
+    """A warning, with its likely cause, for a final test ``accuracy`` within ``margin`` of chance (1 / classes);
+    None otherwise. The causes come from the run: ``ratio``, the norm of the noise over the largest norm of the
+    signal (``noise_to_signal`` names the formula), and ``clipped``, the fraction of the last updates clipped."""
+    if accuracy > 1 / classes + margin:
+        return None
+    if ratio > 10:
+        cause = f"the noise is {ratio:.3g} times the signal ({noise_to_signal}): {noise_fix}"
+    elif clipped > 0.99:
+        cause = f"every update was clipped ({clipped:.0%} in the last evaluation's span): {clip_fix}"
+    else:
+        cause = "the learning rate --lr is likely too large or too small for this algorithm"
+    return (f"test accuracy {accuracy:.4f} is at chance (1/{classes}): likely cause: {cause}. "
+            f"Noise-to-signal ratio {ratio:.3g}; {clipped:.0%} of the updates were clipped.")
+
+
 def plot_curves(history: list[dict[str, Any]], path: Path) -> Path | None:
     """Training loss and test accuracy at each evaluation, against steps and against the epsilon spent, in one
     PNG; None (nothing written) without matplotlib."""

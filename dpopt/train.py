@@ -45,6 +45,7 @@ from dpopt.noise.mechanisms import NOISES, build_noise
 from dpopt.noise.rng import SecretStream, derive_seed, secret_key
 from dpopt.privacy import (PoissonSampling, PrivacyLedger, Relation, advanced_composition_noise, check_budget,
                            noise_multiplier_for)
+from dpopt import report
 from dpopt.report import CURVES, LOG, TENSORBOARD, logging_to, plot_curves, tensorboard_writer
 from dpopt.privacy.ledger import ACCOUNTANTS
 from dpopt.privacy.statement import privacy_statement
@@ -82,7 +83,11 @@ class TrainConfig:
     checkpoint_every: int = 0  # also checkpoint after every N-th step within an epoch (0: at epoch ends only)
     trainable: str | None = None  # regular expression: train only the parameters whose names it matches
     calibration: str = "accountant"  # or "advanced-composition" (DPZero Lemma 2.2: loose, for faithful reproductions)
-    hp: Hyperparameters = Hyperparameters()
+    hp: Hyperparameters | None = None  # None: the algorithm's defaults (Hyperparameters.for_algorithm)
+
+    def __post_init__(self) -> None:
+        if self.hp is None:  # resolved here, so the config (and the checkpoint) holds the values the run uses
+            object.__setattr__(self, "hp", Hyperparameters.for_algorithm(self.algorithm))
 
     def validate(self) -> None:
         for name, known in [("algorithm", ALGORITHMS), ("dataset", DATASETS), ("model", MODELS),
@@ -289,7 +294,7 @@ def build_run_noise(config: TrainConfig, sampler: Sampler, total: int, clip: flo
 
 
 def _state(run: Run, history: list[dict[str, Any]], wall: float, cpu: float, epoch_losses: list[float],
-           epoch_nonfinite: int) -> dict[str, Any]:
+           epoch_nonfinite: int, epoch_clipped: tuple[int, int] | list[int] = (0, 0)) -> dict[str, Any]:
     """A checkpoint: model, optimizer, ledger, sampler and RNG state, and the current epoch's partial statistics.
     The secret streams and the sampler are counter-based (their state is the run's secret key plus the next
     step: the key makes the checkpoint private); the public torch generator is re-seeded every step and is
@@ -304,7 +309,8 @@ def _state(run: Run, history: list[dict[str, Any]], wall: float, cpu: float, epo
             "rng": {"torch": torch.get_rng_state(), "secret_next_step": steps, "secure": run.config.secure,
                     "secret_key": run.secret_key},
             "history": history, "wall_time_s": wall, "cpu_time_s": cpu,
-            "epoch_losses": list(epoch_losses), "epoch_nonfinite": epoch_nonfinite}
+            "epoch_losses": list(epoch_losses), "epoch_nonfinite": epoch_nonfinite,
+            "epoch_clipped": list(epoch_clipped)}
 
 
 def _saved_key(state: dict[str, Any]) -> int | bytes | None:
@@ -359,12 +365,14 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
     history: list[dict[str, Any]] = []
     losses: list[float] = []  # this epoch's step losses
     epoch_nonfinite = 0
+    epoch_clipped = [0, 0]  # this epoch's clipped and clip-stage examples
     wall = cpu = 0.0
     if _resume_state is not None:
         _restore(run, _resume_state)
         history = list(_resume_state["history"])
         losses = list(_resume_state.get("epoch_losses", []))
         epoch_nonfinite = int(_resume_state.get("epoch_nonfinite", 0))
+        epoch_clipped = list(_resume_state.get("epoch_clipped", [0, 0]))
         wall, cpu = float(_resume_state["wall_time_s"]), float(_resume_state["cpu_time_s"])
     if parallel is not None:
         parallel.broadcast_(run.optimizer.params)  # rank 0's starting point everywhere
@@ -379,6 +387,7 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
             torch.manual_seed(derive_seed(config.seed, "public", "step", run.optimizer.steps))  # dropout; not secret
             result = run.optimizer.step(run.data.train)
             epoch_nonfinite += result.nonfinite
+            epoch_clipped = [epoch_clipped[0] + result.clipped, epoch_clipped[1] + result.examples]
             steps = run.optimizer.steps
             if result.loss is not None:
                 losses.append(result.loss)
@@ -390,7 +399,8 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
                                 eps=bar_epsilon(run.ledger, config.delta))
             if out is not None and every and steps % every == 0 and steps % per_epoch:  # epoch ends: below
                 save_checkpoint(out, _state(run, history, time.perf_counter() - start,
-                                            time.process_time() - cpu_start, losses, epoch_nonfinite))
+                                            time.process_time() - cpu_start, losses, epoch_nonfinite,
+                                            epoch_clipped))
         if epoch_nonfinite and (parallel is None or parallel.lead):
             warnings.warn(f"{epoch_nonfinite} examples had non-finite gradients in epoch {epoch + 1}; "
                           "they contributed zero to the update", stacklevel=2)
@@ -398,11 +408,12 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
         acc = accuracy(run.model, run.data.test, parallel=parallel)
         eps = run.ledger.epsilon(config.delta)
         history.append({"epoch": epoch + 1, "step": run.optimizer.steps, "test_accuracy": acc, "epsilon": eps,
-                        "train_loss": sum(losses) / max(1, len(losses)), "nonfinite": epoch_nonfinite})
-        losses, epoch_nonfinite = [], 0
+                        "train_loss": sum(losses) / max(1, len(losses)), "nonfinite": epoch_nonfinite,
+                        "clipped_fraction": epoch_clipped[0] / max(1, epoch_clipped[1])})
+        losses, epoch_nonfinite, epoch_clipped = [], 0, [0, 0]
         if out is not None:
             wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-            save_checkpoint(out, _state(run, history, wall, cpu, losses, epoch_nonfinite))
+            save_checkpoint(out, _state(run, history, wall, cpu, losses, epoch_nonfinite, epoch_clipped))
             _write_metrics(out, _metrics(run, history, nonfinite, wall, cpu, finished=False))
         if writer is not None:
             for key, value in history[-1].items():
@@ -410,6 +421,11 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
         log(f"epoch {epoch + 1}/{config.epochs}: test accuracy {acc:.4f}, epsilon {eps:.4g}")
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     metrics = _metrics(run, history, nonfinite, wall, cpu, finished=True)
+    warning = chance_warning(run, history[-1])
+    if warning is not None:
+        metrics["warning"] = warning
+        if parallel is None or parallel.lead:
+            warnings.warn(warning, stacklevel=2)
     if out is not None:
         _write_metrics(out, metrics)
         export_model(run.model, Path(out, MODEL_DIR))
@@ -419,6 +435,19 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
         writer.close()
     log(metrics["privacy_statement"])
     return metrics
+
+
+def chance_warning(run: Run, last: dict[str, Any]) -> str | None:
+    """``report.chance_warning`` for a run whose last evaluation is ``last``: the noise-to-signal ratio
+    sigma * sqrt(d) / B is the norm of the noise N(0, sigma^2 C^2 I_d) over the largest norm of a clipped sum of
+    B (expected batch) examples, B * C; clipped is the fraction of the last epoch's examples clipped."""
+    d = sum(p.numel() for p in run.optimizer.params)
+    ratio = run.optimizer.privatizer.noise.noise_multiplier * math.sqrt(d) / run.config.batch_size
+    return report.chance_warning(
+        last["test_accuracy"], run.data.num_classes, f"sigma * sqrt(d) / B, d = {d} parameters, "
+        f"B = {run.config.batch_size}", ratio, last.get("clipped_fraction", 0.0),
+        "use a larger --batch-size or --epsilon, or a smaller model",
+        f"each step moves at most lr * C = {run.config.hp.lr * run.config.clip:.3g}; raise --clip or --lr")
 
 
 def bar_epsilon(ledger: PrivacyLedger, delta: float) -> str:

@@ -97,6 +97,7 @@ class StepResult:
     loss: float | None  # mean training loss of the batch (not private: for progress display only)
     examples: int
     nonfinite: int
+    clipped: int = 0  # examples whose statistic the clip stage scaled down
 
 
 class DPOptimizer:
@@ -166,19 +167,21 @@ class DPOptimizer:
         if not self.verified:
             self.verify(data)
         index = self.privatizer.batch(self.steps)
-        sums, examples, nonfinite, losses = None, 0, 0, []
+        sums, examples, nonfinite, clipped, losses = None, 0, 0, 0, []
         for part in index.split(self.physical_batch_size or index.numel()) if index.numel() else ():
             grads = self.statistic(to_device(take(data, part), self.device))
             if grads.losses is not None:
                 losses.append(grads.losses[torch.isfinite(grads.losses)])
             sums, stats = self.privatizer.clip(grads, into=sums)
-            examples, nonfinite = examples + stats.examples, nonfinite + stats.nonfinite
+            examples, nonfinite, clipped = (examples + stats.examples, nonfinite + stats.nonfinite,
+                                            clipped + stats.clipped)
         self.finish(sums)
         loss = torch.cat(losses) if losses else None
-        examples, nonfinite, loss_sum, loss_count = self.privatizer.total(
-            [examples, nonfinite, 0.0 if loss is None else float(loss.double().sum()),
+        examples, nonfinite, clipped, loss_sum, loss_count = self.privatizer.total(
+            [examples, nonfinite, clipped, 0.0 if loss is None else float(loss.double().sum()),
              0 if loss is None else loss.numel()])
-        return StepResult(loss_sum / loss_count if loss_count else None, int(examples), int(nonfinite))
+        return StepResult(loss_sum / loss_count if loss_count else None, int(examples), int(nonfinite),
+                          int(clipped))
 
     def finish(self, sums: list[torch.Tensor] | None) -> None:
         """The end of a logical step: release its clipped sums (``None``: an empty batch, noise alone) once,

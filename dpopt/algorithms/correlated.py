@@ -20,15 +20,16 @@ from dpopt.transforms.nesterov import AcceleratedSRG
 from dpopt.transforms.srg import RecursiveGradient
 
 
+# defaults: tuned on digits, MLP, epsilon 2 (docs/defaults.md)
 def _sgd(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
     return DPOptimizer(engine, privatizer, BASES["sgd"](engine.params, hp))
 
 
-register("dp-ftrl", noise="tree")(_sgd)
-register("dp-memf", noise="mf")(_sgd)
+register("dp-ftrl", noise="tree", defaults={"lr": 0.03, "momentum": 0.9, "tree_decoder": "least-squares"})(_sgd)
+register("dp-memf", noise="mf", defaults={"lr": 0.2})(_sgd)
 
 
-@register("dp-srg-memf", noise="mf", decayed=True)
+@register("dp-srg-memf", noise="mf", decayed=True, defaults={"lr": 0.2})
 def dp_srg_memf(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
     srg = RecursiveGradient(hp.decay)
     return DPOptimizer(engine, privatizer, BASES["sgd"](engine.params, hp), transforms=[srg], statistic=srg.statistic)
@@ -42,5 +43,5 @@ def _srgd(accelerate: bool):
     return recipe
 
 
-register("accel-dp-srgd", noise="tree")(_srgd(True))
-register("dp-srgd", noise="tree")(_srgd(False))
+register("accel-dp-srgd", noise="tree", defaults={"lr": 0.01})(_srgd(True))
+register("dp-srgd", noise="tree", defaults={"lr": 0.2})(_srgd(False))

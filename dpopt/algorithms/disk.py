@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dpopt.algorithms import first_order, grape  # noqa: F401  (registers the bases wrapped below)
 from dpopt.algorithms.base import DPOptimizer, Privatizer
-from dpopt.algorithms.registry import ALGORITHMS, Hyperparameters, Recipe, register
+from dpopt.algorithms.registry import ALGORITHMS, DEFAULTS, Hyperparameters, Recipe, register
 from dpopt.grad.engine import PerExampleEngine
 from dpopt.transforms.kalman import KalmanFilter
 
@@ -29,4 +29,4 @@ def with_kalman(recipe: Recipe) -> Recipe:
 
 
 for _name, _base in WRAPPED.items():
-    register(_name)(with_kalman(ALGORITHMS[_base]))
+    register(_name, defaults=DEFAULTS[_base])(with_kalman(ALGORITHMS[_base]))

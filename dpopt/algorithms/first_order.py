@@ -27,5 +27,6 @@ def _dp(base: str):
     return recipe
 
 
+ADAM_DEFAULTS = {"lr": 0.01}  # digits MLP, epsilon 2: docs/defaults.md
 for _name in BASES:
-    register(f"dp-{_name}")(_dp(_name))
+    register(f"dp-{_name}", defaults=None if _name == "sgd" else ADAM_DEFAULTS)(_dp(_name))

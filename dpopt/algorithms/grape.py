@@ -17,13 +17,14 @@ import torch
 from torch import nn
 
 from dpopt.algorithms.base import DPOptimizer, Privatizer
+from dpopt.algorithms.first_order import ADAM_DEFAULTS
 from dpopt.algorithms.registry import Hyperparameters, register
 from dpopt.grad.engine import PerExampleEngine
 from dpopt.grad.projection import EXCLUDE, RandomProjection, SVDProjection, parse_exclude, projectable
 from dpopt.transforms.projected_adam import ProjectedAdam
 
 
-@register("dp-grape")
+@register("dp-grape", defaults=ADAM_DEFAULTS)
 def dp_grape(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
     projection = RandomProjection.on(engine, hp.rank, hp.subspace_every, hp.projection_seed,
                                      parse_exclude(hp.projection_exclude))
@@ -32,7 +33,7 @@ def dp_grape(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparamete
     return DPOptimizer(engine, privatizer, update, transforms=[projection])
 
 
-@register("dp-galore")
+@register("dp-galore", defaults=ADAM_DEFAULTS)
 def dp_galore(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
     projection = SVDProjection.on(engine, hp.rank, hp.subspace_every, parse_exclude(hp.projection_exclude))
     update = ProjectedAdam(engine.params, projection, hp.lr, hp.betas, hp.eps, hp.weight_decay, hp.reset_moments)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable
 
 from dpopt.algorithms.base import DPOptimizer, Privatizer
 from dpopt.grad.engine import PerExampleEngine
@@ -78,18 +78,33 @@ class Hyperparameters:
         if self.direction not in DIRECTION_LAWS:
             raise ValueError(f"unknown direction law {self.direction!r}; choose one of {', '.join(DIRECTION_LAWS)}")
 
+    @classmethod
+    def for_algorithm(cls, name: str, **overrides: Any) -> "Hyperparameters":
+        """The hyper-parameters of recipe ``name``: its tuned defaults (``register(defaults=...)``), then the
+        fields of this class, with ``overrides`` (those not None) on top."""
+        given = {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items() if v is not None}
+        return cls(**{**DEFAULTS.get(name, {}), **given})
+
 
 Recipe = Callable[[PerExampleEngine, Privatizer, Hyperparameters], DPOptimizer]
 ALGORITHMS: dict[str, Recipe] = {}
 DEFAULT_NOISE: dict[str, str] = {}  # a recipe's noise mechanism unless --noise says otherwise
 DECAYED_WORKLOAD: set[str] = set()  # recipes that privatize SRG increments: their "true" workload has --decay
 NON_PRIVATE: set[str] = set()  # baselines that release without noise: no privacy target, epsilon = inf
+DEFAULTS: dict[str, dict[str, Any]] = {}  # a recipe's own Hyperparameters defaults (tuned: docs/defaults.md)
 
 
-def register(name: str, noise: str = "gaussian", decayed: bool = False,
-             private: bool = True) -> Callable[[Recipe], Recipe]:
+def register(name: str, noise: str = "gaussian", decayed: bool = False, private: bool = True,
+             defaults: dict[str, Any] | None = None) -> Callable[[Recipe], Recipe]:
+    """Add recipe ``name``: its default noise mechanism, and ``defaults`` for the Hyperparameters fields whose
+    global default does not suit it (applied where the user gives no value)."""
+    unknown = set(defaults or {}) - {f.name for f in fields(Hyperparameters)}
+    if unknown:
+        raise ValueError(f"{name}: defaults for unknown hyper-parameters {', '.join(sorted(unknown))}")
+
     def add(recipe: Recipe) -> Recipe:
         ALGORITHMS[name] = recipe
+        DEFAULTS[name] = dict(defaults or {})
         DEFAULT_NOISE[name] = noise
         if decayed:
             DECAYED_WORKLOAD.add(name)

@@ -124,6 +124,7 @@ class Problem:
     block_sizes: list[int]
     client_sizes: list[int]
     evaluate: Callable[[torch.Tensor], dict[str, float]]
+    classes: int | None = None  # of a classification problem (its chance accuracy is 1 / classes)
 
     @property
     def clients(self) -> int:

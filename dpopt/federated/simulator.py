@@ -15,7 +15,9 @@ raises ``ClientFailure`` before anything is applied.
 from __future__ import annotations
 
 import json
+import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -27,6 +29,7 @@ from dpopt.federated.config import Setup, drops_out, participants
 from dpopt.federated.privacy import ClientLedgers, ClientNoise, epsilons_of
 from dpopt.federated.rules import ServerState, client_update
 from dpopt.privacy import PrivacyLedger
+from dpopt.report import chance_warning
 
 Fault = Literal["crash", "lost"]
 FaultSchedule = Callable[[int, int], "Fault | None"]
@@ -140,6 +143,17 @@ def finish(setup: Setup, server: ServerState, ledgers: list[dict], history: list
         "accountant": "exact Gaussian composition of each client's ledger",
         "failures": failures, "ledgers": ledgers, "wall_time_s": wall, "history": history, "config": json.loads(config.to_json()),
     }
+    if setup.problem.classes is not None and "test_accuracy" in final:
+        d, n = server.x.numel(), config.clients
+        warning = chance_warning(
+            final["test_accuracy"], setup.problem.classes, f"sigma * sqrt(d / n) / tau, d = {d} parameters, n = {n} "
+            "clients: the noise of the mean message over its largest clipped norm", setup.noise.std * math.sqrt(d / n)
+            / config.tau, history[-1].get("clipped_fraction", 0.0) if history else 0.0,
+            "more clients, fewer --rounds, a larger --epsilon or a smaller model",
+            f"a round moves the server at most lr * tau = {config.lr * config.tau:.3g}; raise --lr or --tau")
+        if warning is not None:
+            metrics["warning"] = warning
+            warnings.warn(warning, stacklevel=2)
     log(f"{config.algorithm} on {engine}: test accuracy {final.get('test_accuracy', float('nan')):.4f} after "
         f"{server.round} rounds; every client is ({max(eps):.4g}, {config.delta:g})-DP against the server "
         f"(local DP, replace-one)")
