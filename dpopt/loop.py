@@ -130,8 +130,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | str, data:
                  hp: Hyperparameters | None = None) -> tuple[nn.Module, PrivateOptimizer, PrivateBatches]:
     """The model, a ``PrivateOptimizer`` and the ``PrivateBatches`` of one epoch, for ``epochs`` epochs of
     Poisson batches of expected size ``batch_size`` at (``epsilon``, ``delta``), or at ``noise_multiplier``.
-    ``optimizer``: a torch optimizer over the model's trainable parameters, or a recipe's name (``hp`` then
-    sets its hyper-parameters). ``loss_fn(model, batch) -> [B]`` is the per-example loss the loop averages
+    ``optimizer``: a torch optimizer over the model's trainable parameters, or a recipe's name (with its tuned
+    defaults, or ``hp``). ``loss_fn(model, batch) -> [B]`` is the per-example loss the loop averages
     (``loss_reduction="mean"``) or sums (``"sum"``); the attribution check runs it. The secret key is fresh OS
     entropy unless ``secret_seed`` is given (replayable noise, for tests and reproductions)."""
     if loss_reduction not in ("mean", "sum"):
@@ -149,7 +149,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | str, data:
     privatizer = Privatizer(Clipping(clip, clipping), GaussianNoise(noise_multiplier, clip, SecretStream(key, "noise")), sampler,
                             ledger)
     if isinstance(optimizer, str):
-        dp = build_algorithm(optimizer, engine, privatizer, hp or Hyperparameters())
+        dp = build_algorithm(optimizer, engine, privatizer, hp or Hyperparameters.for_algorithm(optimizer))
     else:
         _check_optimizer(optimizer, engine)
         dp = DPOptimizer(engine, privatizer, optimizer)
