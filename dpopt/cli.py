@@ -104,7 +104,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="expected batch size (Poisson) or batch size (shuffle, fixed)")
     p.add_argument("--physical-batch-size", type=int, default=d.physical_batch_size, metavar="N",
                    help="examples per forward/backward: a logical (sampled) batch is processed in chunks of at most "
-                        "N whose clipped sums are added before the noise; same release, memory set by N")
+                        "N whose clipped sums are added before the noise; same release, memory set by N (default: "
+                        "256, or the whole training set if smaller)")
     add_device_arguments(p, d.device, precision=d.precision)
     p.add_argument("--clip", type=float, default=d.clip, help="per-example clip norm C")
     p.add_argument("--clipping", default=d.clipping, choices=CLIP_MODES)

@@ -52,6 +52,8 @@ from dpopt.privacy.statement import privacy_statement
 
 
 CALIBRATIONS = ("accountant", "advanced-composition")
+# Examples per forward/backward unless a run says otherwise: a logical batch of at most this many is one pass.
+DEFAULT_PHYSICAL_BATCH = 256
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class TrainConfig:
     per_example: str = "hooks"
     strategy: str = "auto"
     download: bool = False
-    physical_batch_size: int = 256  # examples per forward/backward; a logical batch of at most this many is one pass
+    physical_batch_size: int | None = None  # examples per forward/backward; None: DEFAULT_PHYSICAL_BATCH (or all)
     device: str = "cpu"  # cpu, cuda, mps or auto (cuda, else mps, else cpu)
     precision: str = "fp32"  # fp32, bf16 or fp16 (CUDA): autocast forward/backward, float32 weights, sums, noise
     checkpoint_every: int = 0  # also checkpoint after every N-th step within an epoch (0: at epoch ends only)
@@ -117,7 +119,8 @@ class TrainConfig:
         if self.secure and self.secret_seed is not None:
             raise ValueError("--secure draws every secret number from OS entropy and takes no --secret-seed "
                              "(replayable noise); give one or the other")
-        if not (isinstance(self.physical_batch_size, int) and self.physical_batch_size >= 1):
+        if self.physical_batch_size is not None and not (isinstance(self.physical_batch_size, int)
+                                                         and self.physical_batch_size >= 1):
             raise ValueError(f"the physical batch size must be an integer >= 1, got {self.physical_batch_size}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0 steps (0: at the end of each epoch only), "
@@ -240,9 +243,10 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel:
     ledger = PrivacyLedger(config.relation, config.accountant)
     noise = build_run_noise(config, sampler, total, clipping.sensitivity, SecretStream(key, "noise"), log)
     privatizer = Privatizer(clipping, noise, sampler, ledger, parallel)
-    if config.physical_batch_size > n:
-        raise ValueError(f"the physical batch size ({config.physical_batch_size}) exceeds the {n} training examples")
-    optimizer = build_algorithm(config.algorithm, engine, privatizer, config.hp, config.physical_batch_size)
+    physical = min(DEFAULT_PHYSICAL_BATCH, n) if config.physical_batch_size is None else config.physical_batch_size
+    if physical > n:
+        raise ValueError(f"the physical batch size ({physical}) exceeds the {n} training examples")
+    optimizer = build_algorithm(config.algorithm, engine, privatizer, config.hp, physical)
     return Run(config, data, model, optimizer, sampler, ledger, total, key)
 
 

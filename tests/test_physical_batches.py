@@ -84,3 +84,18 @@ def test_bad_physical_batch_size_is_refused():
     for bad in (0, -3, 2.5):
         with pytest.raises(ValueError, match="physical batch size"):
             run.optimizer.physical_batch_size = bad
+
+
+def test_the_default_physical_batch_is_256_or_the_whole_set_if_smaller(monkeypatch):
+    config = TrainConfig(noise_multiplier=1.0, epochs=1, batch_size=16)
+    assert build_run(config, log=lambda _: None).optimizer.physical_batch_size == 256
+    load = train_module.load_dataset
+
+    def small(*args):  # a training set of 40 examples (the tabular sets have a few dozen to a few hundred)
+        data = load(*args)
+        return dataclasses.replace(data, train=(data.train[0][:40], data.train[1][:40]))
+
+    monkeypatch.setattr(train_module, "load_dataset", small)
+    assert build_run(config, log=lambda _: None).optimizer.physical_batch_size == 40
+    with pytest.raises(ValueError, match="exceeds the 40 training examples"):
+        build_run(dataclasses.replace(config, physical_batch_size=64), log=lambda _: None)
