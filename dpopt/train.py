@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from dpopt.algorithms import (ALGORITHMS, DECAYED_WORKLOAD, DEFAULT_NOISE, NON_PRIVATE, DPOptimizer, Hyperparameters,
                               Privatizer, build_algorithm)
+from dpopt.algorithms.base import check_physical_batch_size
 from dpopt.checkpoint import CheckpointError, check_writable, load_checkpoint, save_checkpoint, write_atomic
 from dpopt.clipping import Clipping
 from dpopt.data.datasets import DATASETS, Dataset, labels_of, load_dataset
@@ -119,9 +120,7 @@ class TrainConfig:
         if self.secure and self.secret_seed is not None:
             raise ValueError("--secure draws every secret number from OS entropy and takes no --secret-seed "
                              "(replayable noise); give one or the other")
-        if self.physical_batch_size is not None and not (isinstance(self.physical_batch_size, int)
-                                                         and self.physical_batch_size >= 1):
-            raise ValueError(f"the physical batch size must be an integer >= 1, got {self.physical_batch_size}")
+        check_physical_batch_size(self.physical_batch_size)
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0 steps (0: at the end of each epoch only), "
                              f"got {self.checkpoint_every}")

@@ -92,6 +92,13 @@ class Privatizer:
 Statistic = Callable[[PerExampleEngine, Any], PerExampleStatistic]
 
 
+def check_physical_batch_size(size: int | None) -> int | None:
+    """``size`` if it is a valid physical batch size (an integer >= 1, or None: the whole batch)."""
+    if size is not None and not (isinstance(size, int) and size >= 1):
+        raise ValueError(f"the physical batch size must be an integer >= 1, got {size}")
+    return size
+
+
 @dataclass(frozen=True)
 class StepResult:
     loss: float | None  # mean training loss of the batch (not private: for progress display only)
@@ -146,9 +153,7 @@ class DPOptimizer:
 
     @physical_batch_size.setter
     def physical_batch_size(self, size: int | None) -> None:
-        if size is not None and not (isinstance(size, int) and size >= 1):
-            raise ValueError(f"the physical batch size must be an integer >= 1, got {size}")
-        self._physical = size
+        self._physical = check_physical_batch_size(size)
 
     def verify(self, data: Any) -> None:
         """Check once, before the first release, that the engine attributes every layer's gradient to the
