@@ -26,7 +26,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
-from torch.utils.data import default_collate
+from torch.utils._pytree import tree_flatten
+from torch.utils.data import Dataset, default_collate
 
 from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
 from dpopt.algorithms.base import DPOptimizer
@@ -111,12 +112,12 @@ class PrivateBatches:
 
 def _indexable(data: Any) -> tuple[Any, int]:
     """``data`` as ``take`` reads it (tensors, a pytree of tensors, or a map-style dataset collated), and its size."""
-    if isinstance(data, torch.utils.data.Dataset) or (hasattr(data, "__getitem__") and not isinstance(
+    if isinstance(data, Dataset) or (hasattr(data, "__getitem__") and not isinstance(
             data, (torch.Tensor, tuple, list, dict))):
         if not hasattr(data, "__len__"):
             raise ValueError("the dataset has no __len__: Poisson sampling needs the number of examples")
         return (lambda index: default_collate([data[i] for i in index.tolist()])), len(data)
-    leaves = [t for t in torch.utils._pytree.tree_flatten(data)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+    leaves = [t for t in tree_flatten(data)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
     if not leaves:
         raise ValueError("data must be a map-style dataset or tensors with the examples on dimension 0")
     return data, leaves[0].shape[0]

@@ -109,7 +109,7 @@ class PerExampleGradients(PerExampleStatistic):
         self.engine, self.batch_size, self.terms, self.losses = engine, batch_size, terms, losses
         self.shapes = engine.shapes
         self.released = False
-        self.settled = False  # one-hot captures merged (``_settle``)
+        self._settled = False  # one-hot captures merged (``_settle``)
         self._benign: dict[int, bool] = {}  # combined parameters whose terms may be summed apart (``sq_norms``)
 
     @property
@@ -154,12 +154,12 @@ class PerExampleGradients(PerExampleStatistic):
     # book-keeping, whose float32 rounding is at most about 4u of the released norm, and the second
     # materialisation is saved.
     def _settle(self) -> None:
-        if self.settled:
+        if self._settled:
             return
         for j, ts in enumerate(self.terms):
             if ts and all(isinstance(t, Outer) and t.indexed for _, t in ts) and (len(ts) > 1 or ts[0][1].steps > 1):
                 self.terms[j] = [(1.0, coalesce(ts))]
-        self.settled = True
+        self._settled = True
 
     def _combined(self, j: int) -> bool:
         return len(self.terms[j]) > 1
