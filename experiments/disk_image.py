@@ -6,7 +6,9 @@ with the *same* base hyper-parameters (the paper tunes the base only, L744). ``-
 base's learning rate on a held-out split (the last 10,000 training images as validation, the base alone, one
 epsilon, a seed outside the grid) and writes tuning.json, which the grid then reads. Every finished run is
 appended to results.jsonl and skipped when the command is run again; ``--summarize`` writes table.md (mean ±
-std test accuracy) and accuracy_vs_epsilon.png.
+std test accuracy, the paired DiSK - base differences) and accuracy_vs_epsilon.png. ``--clipping flat automatic``
+adds the paper's automatic clipping (every example scaled to norm C = 1, L742) as a second grid; ``--batch-size
+5000 --physical-batch-size 1000`` is the paper's batch (Table 2) in chunks that fit memory.
 Paper claim (Fig. 1, L288-300): DiSK beats its base at every epsilon, with a larger gain at small epsilon.
 """
 
@@ -25,7 +27,10 @@ from dpopt.data.datasets import DATASETS, Dataset, load_dataset
 from dpopt.train import TrainConfig, train
 
 BASES = {"sgd": Hyperparameters(lr=1.0, momentum=0.9), "adam": Hyperparameters(lr=2e-3)}
-LR_GRID = {"sgd": [1.0, 2.0, 4.0, 8.0, 16.0], "adam": [2e-3, 4e-3, 8e-3, 1.6e-2]}
+LR_GRID = {("sgd", "flat"): [1.0, 2.0, 4.0, 8.0, 16.0], ("adam", "flat"): [2e-3, 4e-3, 8e-3, 1.6e-2],
+           # automatic clipping scales every example to norm C = 1 (10x the flat runs' C = 0.1): SGD's steps 10x lower
+           ("sgd", "automatic"): [0.2, 0.4, 0.8, 1.6], ("adam", "automatic"): [2e-3, 4e-3, 8e-3, 1.6e-2]}
+CLIP = {"flat": None, "automatic": 1.0}  # None: --clip; automatic clipping uses the paper's C = 1 (L742)
 VALIDATION = 10_000
 TUNING_SEED = 100  # not one of the grid's seeds
 
@@ -50,16 +55,14 @@ def tune(a: argparse.Namespace, out: Path) -> dict[str, dict[str, float]]:
     done = {(r["dataset"], r["base"], r["lr"]) for r in rows}
     for dataset in a.datasets:
         held_out = validation_split(dataset)
-        for base in a.bases:
-            for lr in LR_GRID[base]:
-                if (dataset, base, lr) in done:
+        for base, clipping in [(b, c) for b in a.bases for c in a.clipping]:
+            for lr in LR_GRID[(base, clipping)]:
+                if (dataset, tuning_key(base, clipping), lr) in done:
                     continue
                 hp = dataclasses.replace(BASES[base], lr=lr)
-                config = TrainConfig(algorithm=f"dp-{base}", dataset=held_out, model="cnn", epsilon=a.tune_epsilon,
-                                     delta=1e-5, epochs=a.epochs, batch_size=a.batch_size, clip=a.clip,
-                                     seed=TUNING_SEED, secret_seed=TUNING_SEED, hp=hp)
+                config = run_config(a, f"dp-{base}", held_out, a.tune_epsilon, clipping, TUNING_SEED, hp)
                 m = train(config, progress=False, log=lambda s: None)
-                row = {"dataset": dataset, "base": base, "lr": lr, "epsilon": a.tune_epsilon,
+                row = {"dataset": dataset, "base": tuning_key(base, clipping), "lr": lr, "epsilon": a.tune_epsilon,
                        "validation_accuracy": m["test_accuracy"]}
                 rows.append(row)
                 with log.open("a") as f:
@@ -75,11 +78,24 @@ def tune(a: argparse.Namespace, out: Path) -> dict[str, dict[str, float]]:
     return best
 
 
-def hyperparameters(tuned: Path, dataset: str, base: str, kappa: float | None,
+def tuning_key(base: str, clipping: str) -> str:
+    """The base's name in tuning.json: "sgd" for flat clipping (the first grid's files), "sgd/automatic"."""
+    return base if clipping == "flat" else f"{base}/{clipping}"
+
+
+def run_config(a: argparse.Namespace, algorithm: str, dataset: str, epsilon: float, clipping: str, seed: int,
+               hp: Hyperparameters) -> TrainConfig:
+    """One run of the grid; the seed is also the secret seed, so a base and its DiSK see the same noise."""
+    return TrainConfig(algorithm=algorithm, dataset=dataset, model="cnn", epsilon=epsilon, delta=1e-5,
+                       epochs=a.epochs, batch_size=a.batch_size, physical_batch_size=a.physical_batch_size,
+                       clip=CLIP[clipping] or a.clip, clipping=clipping, seed=seed, secret_seed=seed, hp=hp)
+
+
+def hyperparameters(tuned: Path, dataset: str, base: str, clipping: str, kappa: float | None,
                     gamma: float | None) -> Hyperparameters:
     """The base's tuned learning rate (tuning.json), shared by the base and DiSK; kappa and gamma for DiSK
     (None for the base, which does not read them)."""
-    lr = json.loads(tuned.read_text()).get(dataset, {}).get(base) if tuned.exists() else None
+    lr = json.loads(tuned.read_text()).get(dataset, {}).get(tuning_key(base, clipping)) if tuned.exists() else None
     hp = BASES[base] if lr is None else dataclasses.replace(BASES[base], lr=lr)
     return hp if kappa is None else dataclasses.replace(hp, kappa=kappa, gamma=gamma)
 
@@ -95,10 +111,11 @@ def summarize(out: Path) -> str:
     at one seed both see the same batches and the same noise draws: the runs pass the seed as --secret-seed)."""
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     groups: dict[tuple, dict[int, float]] = {}
-    for r in rows:
-        groups.setdefault((r["dataset"], r["base"], r["epsilon"], variant(r)), {})[r["seed"]] = r["test_accuracy"]
-    lines = ["| dataset | base | epsilon | DiSK κ, γ | base accuracy (%) | DiSK accuracy (%) | gain (points) | "
-             "DiSK ahead |",
+    for r in rows:  # rows written before --clipping existed were flat
+        base = tuning_key(r["base"], r.get("clipping", "flat"))
+        groups.setdefault((r["dataset"], base, r["epsilon"], variant(r)), {})[r["seed"]] = r["test_accuracy"]
+    lines = ["| dataset | base | epsilon | DiSK κ, γ | base accuracy (%) | DiSK accuracy (%) "
+             "| DiSK − base, paired by seed (points, mean ± std) | DiSK ahead |",
              "|---|---|---|---|---|---|---|---|"]
     curves: dict[tuple, list[tuple[float, float, float]]] = {}  # (dataset, base, label) -> (eps, mean, std)
     sd = lambda v: statistics.stdev(v) if len(v) > 1 else 0.0  # noqa: E731
@@ -109,10 +126,11 @@ def summarize(out: Path) -> str:
         seeds = sorted(set(by_seed_b) & set(by_seed_k))
         b, k = [by_seed_b[s] for s in seeds], [by_seed_k[s] for s in seeds]
         ahead = sum(y > x for x, y in zip(b, k))
+        diffs = [100 * (y - x) for x, y in zip(b, k)]
         lines.append(f"| {dataset} | dp-{base} | {eps} | {kappa:g}, {gamma:g} | "
                      f"{100 * statistics.mean(b):.2f} ± {100 * sd(b):.2f} | "
                      f"{100 * statistics.mean(k):.2f} ± {100 * sd(k):.2f} | "
-                     f"{100 * (statistics.mean(k) - statistics.mean(b)):+.2f} | {ahead}/{len(seeds)} |")
+                     f"{statistics.mean(diffs):+.2f} ± {sd(diffs):.2f} | {ahead}/{len(seeds)} |")
         base_curve = curves.setdefault((dataset, base, "base"), [])
         if eps not in {q[0] for q in base_curve}:  # the base point once per epsilon, whatever the DiSK variants
             base_curve.append((eps, statistics.mean(b), sd(b)))
@@ -124,11 +142,11 @@ def summarize(out: Path) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    datasets, bases = sorted({k[0] for k in curves}), sorted({k[1] for k in curves}, reverse=True)
+    datasets, bases = sorted({k[0] for k in curves}), sorted({k[1] for k in curves}, key=lambda b: ("/" in b, b[0] == "a"))
     fig, axes = plt.subplots(len(datasets), len(bases), figsize=(4.5 * len(bases), 3.5 * len(datasets)), squeeze=False)
     for row, dataset in zip(axes, datasets):
         for ax, base in zip(row, bases):
-            name = "SGD" if base == "sgd" else "Adam"
+            name = ("SGD" if base.startswith("sgd") else "Adam") + (", automatic clipping" if "/" in base else "")
             variants = sorted({k[2] for k in curves if k[:2] == (dataset, base) and k[2] != "base"})
             styles = [("base", dict(color="0.45", linestyle="--", label=f"DP-{name}"))] + [
                 (v, dict(color=f"C{3 + i}", linestyle="-", label=f"DiSK ({v}) on DP-{name}"))
@@ -143,7 +161,7 @@ def summarize(out: Path) -> str:
             ax.minorticks_off()
             ax.set_xlabel("epsilon (delta = 1e-5)")
             ax.set_ylabel("test accuracy (%), mean ± std")
-            ax.set_title(f"{dataset}, Tanh CNN, DP-{name} base")
+            ax.set_title(f"{dataset}, Tanh CNN, DP-{name} base", fontsize=9)
             ax.legend()
     fig.tight_layout()
     fig.savefig(out / "accuracy_vs_epsilon.png", dpi=120)
@@ -158,7 +176,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=512)
-    p.add_argument("--clip", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=0.1, help="flat clipping's C (automatic clipping uses C = 1)")
+    p.add_argument("--clipping", nargs="+", default=["flat"], choices=sorted(CLIP))
+    p.add_argument("--physical-batch-size", type=int, help="examples per forward/backward (default: the trainer's)")
     p.add_argument("--out", default="runs/disk_image")
     p.add_argument("--summarize", action="store_true", help="only write the table and the plot")
     p.add_argument("--tune", action="store_true", help="only choose the bases' learning rates (tuning.json)")
@@ -177,25 +197,25 @@ def main(argv: list[str]) -> int:
     log = out / "results.jsonl"
     tuned = Path(a.tuning) if a.tuning else out / "tuning.json"
     if not a.summarize:
-        done = {(r["dataset"], r["base"], r["epsilon"], r["method"], r["seed"], *variant(r))
+        done = {(r["dataset"], r["base"], r.get("clipping", "flat"), r["epsilon"], r["method"], r["seed"], *variant(r))
                 for r in map(json.loads, log.read_text().splitlines())} if log.exists() else set()
         variants = [("base", None, None)] + [("disk", k, g) for k in a.kappa for g in a.gamma]
         for dataset in a.datasets:
-            for eps in a.epsilons:
-                for base in a.bases:
-                    for seed in range(a.seeds):
+            for seed in range(a.seeds):  # seeds outermost: a run cut short leaves whole seeds of every cell
+                for eps in a.epsilons:
+                    for base, clipping in [(b, c) for b in a.bases for c in a.clipping]:
                         for method, kappa, gamma in variants:
-                            if (dataset, base, eps, method, seed, kappa, gamma) in done:
+                            if (dataset, base, clipping, eps, method, seed, kappa, gamma) in done:
                                 continue
                             algorithm = f"{'disk' if method == 'disk' else 'dp'}-{base}"
-                            hp = hyperparameters(tuned, dataset, base, kappa, gamma)
-                            config = TrainConfig(algorithm=algorithm, dataset=dataset, model="cnn", epsilon=eps,
-                                                 delta=1e-5, epochs=a.epochs, batch_size=a.batch_size, clip=a.clip,
-                                                 seed=seed, secret_seed=seed, hp=hp)  # paired: same noise
+                            hp = hyperparameters(tuned, dataset, base, clipping, kappa, gamma)
+                            config = run_config(a, algorithm, dataset, eps, clipping, seed, hp)
                             m = train(config, progress=False, log=lambda s: None)
-                            row = {"dataset": dataset, "base": base, "epsilon": eps, "method": method, "seed": seed,
+                            row = {"dataset": dataset, "base": base, "clipping": clipping, "epsilon": eps,
+                                   "method": method, "seed": seed,
                                    "test_accuracy": m["test_accuracy"], "epsilon_spent": m["epsilon"],
                                    "lr": config.hp.lr, "epochs": a.epochs, "batch_size": a.batch_size,
+                                   "clip": config.clip,
                                    **({"kappa": kappa, "gamma": gamma} if method == "disk" else {}),
                                    "noise_multiplier": m["noise_multiplier"], "steps": m["steps"],
                                    "accuracy_per_epoch": [h["test_accuracy"] for h in m["history"]],
