@@ -22,6 +22,7 @@ here for now: drive them with ``DPOptimizer.step(data)``.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Iterator
 
 import torch
@@ -110,13 +111,14 @@ class PrivateBatches:
                 yield to_device(take(self.data, part), self.dp.device)
 
 
-def _indexable(data: Any) -> tuple[Any, int]:
-    """``data`` as ``take`` reads it (tensors, a pytree of tensors, or a map-style dataset collated), and its size."""
+def _indexable(data: Any, collate_fn: Callable[[list], Any] = default_collate) -> tuple[Any, int]:
+    """``data`` as ``take`` reads it (tensors, a pytree of tensors, or a map-style dataset collated by
+    ``collate_fn``), and its size."""
     if isinstance(data, Dataset) or (hasattr(data, "__getitem__") and not isinstance(
             data, (torch.Tensor, tuple, list, dict))):
         if not hasattr(data, "__len__"):
             raise ValueError("the dataset has no __len__: Poisson sampling needs the number of examples")
-        return (lambda index: default_collate([data[i] for i in index.tolist()])), len(data)
+        return (lambda index: collate_fn([data[i] for i in index.tolist()])), len(data)
     leaves = [t for t in tree_flatten(data)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
     if not leaves:
         raise ValueError("data must be a map-style dataset or tensors with the examples on dimension 0")
@@ -124,29 +126,33 @@ def _indexable(data: Any) -> tuple[Any, int]:
 
 
 def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | str, data: Any, loss_fn: LossFn, *,
-                 batch_size: int, epochs: int = 1, epsilon: float | None = None,
+                 batch_size: int, epochs: float = 1, steps: int | None = None, epsilon: float | None = None,
                  noise_multiplier: float | None = None, delta: float = 1e-5, clip: float = 1.0,
                  clipping: str = "flat", physical_batch_size: int | None = None, loss_reduction: str = "mean",
-                 accountant: str = "pld", secret_seed: int | None = None,
-                 hp: Hyperparameters | None = None) -> tuple[nn.Module, PrivateOptimizer, PrivateBatches]:
+                 accountant: str = "pld", secret_seed: int | bytes | None = None,
+                 hp: Hyperparameters | None = None,
+                 collate_fn: Callable[[list], Any] = default_collate) -> tuple[nn.Module, PrivateOptimizer,
+                                                                               PrivateBatches]:
     """The model, a ``PrivateOptimizer`` and the ``PrivateBatches`` of one epoch, for ``epochs`` epochs of
     Poisson batches of expected size ``batch_size`` at (``epsilon``, ``delta``), or at ``noise_multiplier``.
     ``optimizer``: a torch optimizer over the model's trainable parameters, or a recipe's name (with its tuned
     defaults, or ``hp``). ``loss_fn(model, batch) -> [B]`` is the per-example loss the loop averages
-    (``loss_reduction="mean"``) or sums (``"sum"``); the attribution check runs it. The secret key is fresh OS
-    entropy unless ``secret_seed`` is given (replayable noise, for tests and reproductions)."""
+    (``loss_reduction="mean"``) or sums (``"sum"``); the attribution check runs it. ``steps``: the number of
+    logical steps the noise is calibrated for, if not ``ceil(epochs * steps per epoch)``. ``collate_fn`` makes
+    a batch of a map-style dataset's examples. The secret key is fresh OS entropy unless ``secret_seed`` is
+    given (replayable noise, for tests and reproductions; or a key a checkpoint kept, to resume)."""
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
     if (epsilon is None) == (noise_multiplier is None):
         raise ValueError("give exactly one of epsilon (the noise is calibrated to it) or noise_multiplier")
-    data, n = _indexable(data)
+    data, n = _indexable(data, collate_fn)
     engine = PerExampleEngine(model, loss_fn)
     key = secret_key(secret_seed)
     sampler = PoissonSampler.with_batch_size(n, batch_size, SecretStream(key, "sampling"))
     ledger = PrivacyLedger(accountant=accountant)
     if noise_multiplier is None:
-        noise_multiplier = noise_multiplier_for(epsilon, delta, sampler.participation, epochs * sampler.steps_per_epoch,
-                                                accountant)
+        steps = math.ceil(epochs * sampler.steps_per_epoch) if steps is None else steps
+        noise_multiplier = noise_multiplier_for(epsilon, delta, sampler.participation, steps, accountant)
     privatizer = Privatizer(Clipping(clip, clipping), GaussianNoise(noise_multiplier, clip, SecretStream(key, "noise")), sampler,
                             ledger)
     if isinstance(optimizer, str):

@@ -171,7 +171,18 @@ class DPOptimizer:
         each physical batch is moved to the model's device."""
         if not self.verified:
             self.verify(data)
-        index = self.privatizer.batch(self.steps)
+        sums, (examples, nonfinite, clipped), loss = self.clipped_sums(data, self.privatizer.batch(self.steps))
+        self.finish(sums)
+        examples, nonfinite, clipped, loss_sum, loss_count = self.privatizer.total(
+            [examples, nonfinite, clipped, 0.0 if loss is None else float(loss.double().sum()),
+             0 if loss is None else loss.numel()])
+        return StepResult(loss_sum / loss_count if loss_count else None, int(examples), int(nonfinite),
+                          int(clipped))
+
+    def clipped_sums(self, data: Any, index: torch.Tensor) -> tuple[list[torch.Tensor] | None, tuple[int, int, int],
+                                                                    torch.Tensor | None]:
+        """Stages 2-3 of a logical batch (the examples of ``data`` at ``index``), in physical batches: the clipped
+        sums (None if ``index`` is empty), the (examples, non-finite, clipped) counts and the finite losses."""
         sums, examples, nonfinite, clipped, losses = None, 0, 0, 0, []
         for part in index.split(self.physical_batch_size or index.numel()) if index.numel() else ():
             grads = self.statistic(to_device(take(data, part), self.device))
@@ -180,22 +191,25 @@ class DPOptimizer:
             sums, stats = self.privatizer.clip(grads, into=sums)
             examples, nonfinite, clipped = (examples + stats.examples, nonfinite + stats.nonfinite,
                                             clipped + stats.clipped)
-        self.finish(sums)
-        loss = torch.cat(losses) if losses else None
-        examples, nonfinite, clipped, loss_sum, loss_count = self.privatizer.total(
-            [examples, nonfinite, clipped, 0.0 if loss is None else float(loss.double().sum()),
-             0 if loss is None else loss.numel()])
-        return StepResult(loss_sum / loss_count if loss_count else None, int(examples), int(nonfinite),
-                          int(clipped))
+        return sums, (examples, nonfinite, clipped), torch.cat(losses) if losses else None
 
     def finish(self, sums: list[torch.Tensor] | None) -> None:
         """The end of a logical step: release its clipped sums (``None``: an empty batch, noise alone) once,
         post-process, update the parameters."""
+        self.apply(self.released(sums))
+
+    def released(self, sums: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """Stages 4-5 of a logical step: its clipped sums (``None``: an empty batch, noise alone) released once
+        (noise, ledger), then post-processed by the transforms."""
         if sums is None:
             sums = [torch.zeros(s, device=self.device) for s in self.shapes]
         g = self.privatizer.release(sums, self.steps)
         for t in self.transforms:
             g = t(g)
+        return g
+
+    def apply(self, g: list[torch.Tensor]) -> None:
+        """Stage 6: the base update with the released, post-processed statistic ``g``; the step is over."""
         for t in self.transforms:
             t.before_update(self.params)
         self.update(g)
