@@ -16,8 +16,17 @@ physical batch's per-example gradients during ``loss.backward()`` (``PerExampleE
 ``Privatizer.clip`` adds their clipped sum to the logical step's running sums, and after the last physical
 batch ``DPOptimizer.finish`` releases them once (noise, ledger) and updates. ``batches`` releases an empty
 Poisson batch itself (noise alone). Attribution is verified on 3 distinct examples before anything is
-released. Recipes whose statistic needs several evaluations per step (DiSK, SRG, zeroth-order) are refused
-here for now: drive them with ``DPOptimizer.step(data)``.
+released.
+
+Recipes whose statistic evaluates the loss several times per step (DiSK at x + gamma d and x, SRG at x_t and
+x_t-1, zeroth-order at x +/- lambda u) take a closure instead of the caller's backward, as
+``torch.optim.LBFGS.step(closure)`` does::
+
+    for batch in batches:
+        optimizer.step(lambda: loss_fn(model, batch))  # per-example losses [B]; no backward inside
+
+The recipe's statistic calls the closure (an ``engine.Closure`` batch) wherever ``DPOptimizer.step`` would
+evaluate ``loss_fn`` on the physical batch, at the points it chooses; any recipe accepts a closure.
 """
 
 from __future__ import annotations
@@ -35,18 +44,21 @@ from dpopt.algorithms.base import DPOptimizer
 from dpopt.clipping import Clipping
 from dpopt.data.samplers import PoissonSampler, take
 from dpopt.device import to_device
-from dpopt.grad.engine import LossFn, PerExampleEngine
+from dpopt.grad.engine import Closure, LossFn, PerExampleEngine
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.rng import SecretStream, secret_key
 from dpopt.privacy import PrivacyLedger, noise_multiplier_for
 
 
 class PrivateOptimizer:
-    """What the loop calls ``optimizer``: ``zero_grad()`` and ``step()`` after each physical batch's backward.
-    The gradients autograd leaves in ``.grad`` are not private and are discarded; the update uses the release."""
+    """What the loop calls ``optimizer``: ``zero_grad()`` and ``step()`` after each physical batch's backward,
+    or ``step(closure)``. The gradients autograd leaves in ``.grad`` are not private and are discarded; the
+    update uses the release."""
 
     def __init__(self, dp: DPOptimizer, mean: bool) -> None:
         self.dp, self.mean = dp, mean
+        self.needs_closure = dp._statistic is not None  # the recipe evaluates the loss itself, several times
+        self._size: int | None = None  # the physical batch handed out and not stepped yet
         self._recording: Any = None
         self._last = False
         self._sums: list[torch.Tensor] | None = None
@@ -60,28 +72,47 @@ class PrivateOptimizer:
 
     def begin(self, size: int, last: bool) -> None:
         """A physical batch of ``size`` examples is handed to the loop (``last``: of its logical batch)."""
-        if self._recording is not None:
-            self._recording.remove()
+        if self._size is not None:
+            if self._recording is not None:
+                self._recording.remove()
             raise RuntimeError("optimizer.step() must follow every physical batch's backward")
-        self._recording, self._last = self.dp.engine.record(size, self.mean), last
+        self._size, self._last = size, last
+        self._recording = None if self.needs_closure else self.dp.engine.record(size, self.mean)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.dp.params:
             p.grad = None
 
-    def step(self) -> None:
-        recording, self._recording = self._recording, None
-        if recording is None:
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+        """Add the physical batch's clipped sum to its logical batch's; after the last one, release once and
+        update. Without ``closure``, the per-example gradients recorded during the caller's backward; with it,
+        the recipe's statistic, which calls ``closure()`` (the batch's per-example losses [B] at the model's
+        current parameters, computed by calling the model; no backward) as often and at whatever points it
+        needs. Returns the per-example losses the statistic saw (not private: for display), else None."""
+        size, recording = self._size, self._recording
+        self._size = self._recording = None
+        if recording is not None:
+            recording.remove()
+        if size is None:
             raise RuntimeError("optimizer.step() without a batch: iterate over the batches make_private returned")
-        recording.remove()
-        grads = recording.gradients(None)
-        if not any(grads.terms):
-            raise RuntimeError("no per-example gradient was recorded: call loss.backward() before optimizer.step()")
+        if closure is not None:
+            grads = self.dp.statistic(Closure(closure, size))
+        elif self.needs_closure:
+            raise RuntimeError("this recipe evaluates the loss several times per step (DiSK, SRG, zeroth-order): "
+                               "pass a closure returning the batch's per-example losses, "
+                               "optimizer.step(lambda: loss_fn(model, batch)), instead of calling backward")
+        else:
+            grads = recording.gradients(None)
+            if not any(grads.terms):
+                raise RuntimeError("no per-example gradient was recorded: call loss.backward() before "
+                                   "optimizer.step()")
+        losses = grads.losses
         self._sums, _ = self.dp.privatizer.clip(grads, into=self._sums)
         self.zero_grad()  # autograd's batch gradient of this physical batch: not private
         if self._last:
             sums, self._sums = self._sums, None
             self.dp.finish(sums)
+        return losses
 
     def state_dict(self) -> dict[str, Any]:
         return self.dp.state_dict()
@@ -137,10 +168,12 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | str, data:
     Poisson batches of expected size ``batch_size`` at (``epsilon``, ``delta``), or at ``noise_multiplier``.
     ``optimizer``: a torch optimizer over the model's trainable parameters, or a recipe's name (with its tuned
     defaults, or ``hp``). ``loss_fn(model, batch) -> [B]`` is the per-example loss the loop averages
-    (``loss_reduction="mean"``) or sums (``"sum"``); the attribution check runs it. ``steps``: the number of
-    logical steps the noise is calibrated for, if not ``ceil(epochs * steps per epoch)``. ``collate_fn`` makes
-    a batch of a map-style dataset's examples. The secret key is fresh OS entropy unless ``secret_seed`` is
-    given (replayable noise, for tests and reproductions; or a key a checkpoint kept, to resume)."""
+    (``loss_reduction="mean"``) or sums (``"sum"``) before its backward; the attribution check runs it. A
+    closure given to ``optimizer.step`` returns the per-example losses [B] whatever ``loss_reduction``.
+    ``steps``: the number of logical steps the noise is calibrated for, if not ``ceil(epochs * steps per
+    epoch)``. ``collate_fn`` makes a batch of a map-style dataset's examples. The secret key is fresh OS
+    entropy unless ``secret_seed`` is given (replayable noise, for tests and reproductions; or a key a
+    checkpoint kept, to resume)."""
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
     if (epsilon is None) == (noise_multiplier is None):
@@ -160,11 +193,9 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | str, data:
     else:
         _check_optimizer(optimizer, engine)
         dp = DPOptimizer(engine, privatizer, optimizer)
-    if dp._statistic is not None:
-        raise ValueError(f"{optimizer!r} privatizes a statistic evaluated several times per step (DiSK, SRG, "
-                         "zeroth-order): drive it with DPOptimizer.step(data) for now")
     dp.physical_batch_size = physical_batch_size
-    dp.verify(data)
+    if not dp.verified:  # as DPOptimizer.step: not for a statistic that is no per-example gradient (zeroth-order)
+        dp.verify(data)
     private = PrivateOptimizer(dp, loss_reduction == "mean")
     return model, private, PrivateBatches(dp, data, private)
 

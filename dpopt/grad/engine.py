@@ -46,7 +46,18 @@ class ExampleMixingError(ValueError):
     that example's influence, so DP training is refused."""
 
 
+class Closure:
+    """A physical batch of ``size`` examples given as the caller's closure (``PrivateOptimizer.step(closure)``),
+    which returns its per-example losses [size] at the model's current parameters. The engine calls it wherever
+    it would evaluate ``loss_fn(model, batch)``, at whatever point it evaluates the loss."""
+
+    def __init__(self, closure: Callable[[], torch.Tensor], size: int) -> None:
+        self.closure, self.size = closure, size
+
+
 def batch_size_of(batch: Any) -> int:
+    if isinstance(batch, Closure):
+        return batch.size
     tensors = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
     if not tensors:
         raise ValueError("a batch must contain at least one tensor with a leading batch dimension")
@@ -62,7 +73,7 @@ class _LossModule(nn.Module):
         self.loss_fn = loss_fn
 
     def forward(self, batch: Any) -> torch.Tensor:
-        return self.loss_fn(self.model, batch)
+        return batch.closure() if isinstance(batch, Closure) else self.loss_fn(self.model, batch)
 
 
 class _Unit:
@@ -353,6 +364,11 @@ class PerExampleEngine:
         # An optional projection of per-example gradients (DP-GRAPE), applied to each capture in backprop:
         # any object with ``sides`` (projected parameter indices), ``shape(i)`` and ``project(i, capture)``.
         self.projection: Any = None
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        """The per-example losses of ``batch`` at the model's parameters: ``loss_fn(model, batch)``, or the
+        caller's closure for a ``Closure``."""
+        return self._wrapper(batch)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The forward's autocast context for ``precision`` on the parameters' device (none for fp32); the

@@ -200,12 +200,12 @@ def finite_differences(engine: PerExampleEngine, batch: Any, direction: Directio
         direction.add_to_params(smoothing, step)
         offset = smoothing
         with engine.autocast():
-            plus = engine._check_losses(engine.loss_fn(model, batch), b).double()
+            plus = engine._check_losses(engine.loss(batch), b).double()
         direction.add_to_params(-2.0 * smoothing, step)
         offset = -smoothing
         set_rng_state(rng, engine.params[0].device)
         with engine.autocast():
-            minus = engine._check_losses(engine.loss_fn(model, batch), b).double()
+            minus = engine._check_losses(engine.loss(batch), b).double()
     finally:
         if offset:
             direction.add_to_params(-offset, step)
