@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -45,7 +45,8 @@ class PrivacyArguments:
     """The privacy side of a run; everything else is ``TrainingArguments``. Give ``epsilon`` (the noise is
     calibrated to the run's steps) or ``noise_multiplier``. ``batch_size`` is the expected logical batch;
     ``algorithm`` None trains with the Trainer's own optimizer (AdamW by default: DP-AdamW), or a dpopt recipe
-    ("dp-grape", "disk-adam", ...) with ``learning_rate`` from ``TrainingArguments``. ``secret_seed`` makes
+    ("dp-grape", "disk-adam", ...) with ``learning_rate`` and ``weight_decay`` from ``TrainingArguments`` and
+    its other ``hyperparameters`` (e.g. {"rank": 4}). ``secret_seed`` makes
     the noise replayable (tests, reproductions); by default the key is fresh OS entropy."""
     epsilon: float | None = None
     noise_multiplier: float | None = None
@@ -56,6 +57,7 @@ class PrivacyArguments:
     algorithm: str | None = None
     accountant: str = "pld"
     secret_seed: int | None = None
+    hyperparameters: dict[str, Any] = field(default_factory=dict)  # a recipe's others, e.g. {"rank": 4}
 
 
 def per_example_loss(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
@@ -213,7 +215,7 @@ class PrivateTrainer(Trainer):
         if self.privacy.algorithm is None:
             return None
         return replace(Hyperparameters.for_algorithm(self.privacy.algorithm), lr=self.args.learning_rate,
-                       weight_decay=self.args.weight_decay)
+                       weight_decay=self.args.weight_decay, **self.privacy.hyperparameters)
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if self.dp is None:
