@@ -17,12 +17,12 @@ from typing import Any, Callable, NoReturn, Sequence
 from dpopt.algorithms import ALGORITHMS, DEFAULTS, NON_PRIVATE, Hyperparameters
 from dpopt.checkpoint import CHECKPOINT, CheckpointError, check_writable, claim_run_folder, load_checkpoint
 from dpopt.clipping import CLIP_MODES
-from dpopt.data.datasets import DATASETS, DatasetNotFound
+from dpopt.data.datasets import DATASETS, DatasetNotFound, check_dataset
 from dpopt.data.samplers import SAMPLINGS
 from dpopt.device import add_device_arguments
 from dpopt.distributed import DataParallel, from_environment, launch
 from dpopt.grad.engine import MODES, STRATEGIES
-from dpopt.models import MODELS
+from dpopt.models import MODELS, check_model
 from dpopt.noise.mechanisms import NOISES
 from dpopt.privacy import (AccountingError, FixedParticipation, GaussianRelease, PoissonSampling, Relation,
                            epsilon_of, noise_multiplier_for)
@@ -69,6 +69,19 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _checked(check: Callable[[str], None], names: Sequence[str]) -> Callable[[str], str]:
+    """An argparse type that refuses what ``check`` refuses, with its message and a "did you mean"."""
+
+    def parse(text: str) -> str:
+        try:
+            check(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{e}{did_you_mean(text, names)}") from None
+        return text
+
+    return parse
+
+
 def _defaults_text(name: str, default: Any) -> str:
     """'default: 0.5; 0.01 for dp-adam, dp-adamw': a hyper-parameter's default and the recipes' own."""
     own: dict[Any, list[str]] = {}
@@ -91,8 +104,17 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="private training run (default: the digits demo)",
                        formatter_class=_HelpFormatter)
     p.add_argument("--algorithm", default=d.algorithm, choices=sorted(ALGORITHMS))
-    p.add_argument("--dataset", default=d.dataset, choices=sorted(DATASETS))
-    p.add_argument("--model", default=d.model, choices=sorted(MODELS))
+    p.add_argument("--dataset", default=d.dataset, type=_checked(check_dataset, sorted(DATASETS)),
+                   help=f"{', '.join(sorted(DATASETS))}; or your own: a CSV, JSONL or Parquet file or a "
+                        "datasets.save_to_disk folder (a DatasetDict's test split, else 10%% held out)")
+    p.add_argument("--text-column", default=d.text_column, help="a dataset file's text column (without one: "
+                   "numeric feature columns)")
+    p.add_argument("--label-column", default=d.label_column, help="a dataset file's label column (integers, or "
+                   "strings numbered in sorted order)")
+    p.add_argument("--model", default=d.model, type=_checked(check_model, MODELS),
+                   help=f"{', '.join(MODELS)}; or your own: hf:PATH (a save_pretrained folder, loaded as a sequence "
+                        "classifier; its tokenizer tokenizes the text) or module:function (function(dataset) -> "
+                        "nn.Module)")
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--epsilon", type=float, help=f"target epsilon (default {DEFAULT_EPSILON} unless "
                         "--noise-multiplier is given, or the algorithm is non-private: "

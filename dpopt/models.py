@@ -1,12 +1,20 @@
 """Models for DP training: no BatchNorm anywhere, Tanh where the DP literature found it better.
 
+Besides the built-in names, ``build_model`` takes the user's own: ``hf:PATH``, a ``save_pretrained`` folder
+loaded as a sequence classifier with a head for the data's classes, and ``module:function``, a function of the
+``Dataset`` that returns the model (``module`` importable, also from the working directory).
+
 ``cnn`` is the small Tanh CNN for 28x28 images of Papernot et al. (2021), "Tempered sigmoid activations
 for deep learning with differential privacy", used by Tramèr & Boneh (2021) as the end-to-end baseline.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
+import os
+import sys
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -120,17 +128,79 @@ DATA_MODELS: dict[str, tuple[str, Callable[[Dataset], nn.Module]]] = {
 MODELS = sorted([*IMAGE_MODELS, *DATA_MODELS])
 
 
+HF_PREFIX = "hf:"
+
+
+def hf_folder(name: str) -> str | None:
+    """The folder of an ``hf:PATH`` model (its tokenizer tokenizes the text), else None."""
+    return name[len(HF_PREFIX):] if name.startswith(HF_PREFIX) else None
+
+
+def _user_builder(name: str) -> Callable[[Dataset], nn.Module]:
+    """The function named by ``module:function``, imported from the path or the working directory."""
+    module_name, _, attribute = name.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"model {name!r} is not module:function")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"model {name!r}: cannot import {module_name!r} ({e})") from None
+    builder = getattr(module, attribute, None)
+    if not callable(builder):
+        raise ValueError(f"model {name!r}: {module_name}.{attribute} is "
+                         f"{'missing' if builder is None else 'not callable'}; give a function(data) -> nn.Module")
+    return builder
+
+
+def check_model(name: str) -> None:
+    """Refuse a model ``build_model`` cannot build: an unknown name, an ``hf:`` path that is not a
+    ``save_pretrained`` folder, a ``module:function`` that does not import or is not callable."""
+    folder = hf_folder(name)
+    if folder is not None:
+        if not Path(folder, "config.json").is_file():
+            raise ValueError(f"model {name!r}: {folder} is not a save_pretrained model folder "
+                             f"({'it has no config.json' if Path(folder).is_dir() else 'no such folder'})")
+    elif ":" in name:
+        _user_builder(name)
+    elif name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}, or hf:PATH (a "
+                         "save_pretrained folder) or module:function")
+
+
+def _hf_model(folder: str, data: Dataset) -> nn.Module:
+    if data.kind != "text":
+        raise ValueError(f"model hf:{folder} is loaded as a sequence classifier and takes text, and {data.name} "
+                         "has no text column")
+    t = _quiet_transformers()
+    names = {} if data.classes is None else {"id2label": dict(enumerate(data.classes)),
+                                             "label2id": {c: i for i, c in enumerate(data.classes)}}
+    try:  # a head of another size is replaced by a fresh one for the data's classes
+        return t.AutoModelForSequenceClassification.from_pretrained(
+            folder, num_labels=data.num_classes, ignore_mismatched_sizes=True, local_files_only=True, **names)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model hf:{folder} does not load as a sequence classifier: "
+                         f"{str(e).strip().splitlines()[0]}") from None
+
+
 def build_model(name: str, data: Dataset) -> nn.Module:
+    check_model(name)
+    if hf_folder(name) is not None:
+        return _hf_model(hf_folder(name), data)
+    if ":" in name:
+        model = _user_builder(name)(data)
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model {name!r} returned a {type(model).__name__}, not an nn.Module")
+        return model
     if name in IMAGE_MODELS:
         if data.kind != "image":
             raise ValueError(f"model {name!r} takes image or tabular tensors; for text use minilm or minilm-random")
         return IMAGE_MODELS[name](data.input_shape, data.num_classes)
-    if name in DATA_MODELS:
-        kind, make = DATA_MODELS[name]
-        if data.kind != kind:
-            raise ValueError(f"model {name!r} needs {kind} data, and {data.name} is {data.kind} data")
-        return make(data)
-    raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    kind, make = DATA_MODELS[name]
+    if data.kind != kind:
+        raise ValueError(f"model {name!r} needs {kind} data, and {data.name} is {data.kind} data")
+    return make(data)
 
 
 def replace_batchnorm(model: nn.Module, groups: int = 32) -> nn.Module:

@@ -34,12 +34,12 @@ from dpopt.algorithms import (ALGORITHMS, DECAYED_WORKLOAD, DEFAULT_NOISE, NON_P
 from dpopt.algorithms.base import check_physical_batch_size
 from dpopt.checkpoint import CheckpointError, check_writable, load_checkpoint, save_checkpoint, write_atomic
 from dpopt.clipping import Clipping
-from dpopt.data.datasets import DATASETS, Dataset, labels_of, load_dataset
+from dpopt.data.datasets import DATASETS, Dataset, check_dataset, labels_of, load_dataset
 from dpopt.data.samplers import SAMPLINGS, Sampler, make_sampler, sampler_state, take
 from dpopt.device import autocast_dtype, resolve_device, to_device
 from dpopt.distributed import DataParallel
 from dpopt.grad.engine import MODES, STRATEGIES, PerExampleEngine, check_per_example
-from dpopt.models import MODELS, build_model
+from dpopt.models import build_model, check_model, hf_folder
 from dpopt.noise.correlated import CorrelatedNoise
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.mechanisms import NOISES, build_noise
@@ -60,8 +60,10 @@ DEFAULT_PHYSICAL_BATCH = 256
 @dataclass(frozen=True)
 class TrainConfig:
     algorithm: str = "dp-sgd"
-    dataset: str = "digits"
-    model: str = "mlp"
+    dataset: str = "digits"  # a built-in name, or a CSV, JSONL or Parquet file or save_to_disk folder
+    model: str = "mlp"  # a built-in name, hf:PATH (a save_pretrained folder) or module:function
+    text_column: str = "text"  # the columns of a dataset file
+    label_column: str = "label"
     epsilon: float | None = None
     delta: float = 1e-5
     noise_multiplier: float | None = None
@@ -93,8 +95,12 @@ class TrainConfig:
             object.__setattr__(self, "hp", Hyperparameters.for_algorithm(self.algorithm))
 
     def validate(self) -> None:
-        for name, known in [("algorithm", ALGORITHMS), ("dataset", DATASETS), ("model", MODELS),
-                            ("sampling", ("auto", *SAMPLINGS)), ("noise", ("auto", *NOISES)),
+        check_dataset(self.dataset)
+        check_model(self.model)
+        if hf_folder(self.model) is not None and self.dataset in DATASETS:
+            raise ValueError(f"model {self.model!r} tokenizes its text itself and takes a dataset file "
+                             f"(CSV, JSONL, Parquet, save_to_disk), not the built-in {self.dataset!r}")
+        for name, known in [("algorithm", ALGORITHMS), ("sampling", ("auto", *SAMPLINGS)), ("noise", ("auto", *NOISES)),
                             ("per_example", MODES), ("strategy", STRATEGIES), ("accountant", ACCOUNTANTS)]:
             if getattr(self, name) not in known:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(sorted(known))}")
@@ -218,7 +224,10 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel:
               key: int | bytes | None = None) -> Run:
     """The run of ``config``; ``key`` is its secret key when resuming (None: a new one, see ``secret_key``)."""
     config.validate()
-    data = load_dataset(config.dataset, config.download)
+    data = load_dataset(config.dataset, config.download, config.text_column, config.label_column,
+                        hf_folder(config.model))
+    if data.note is not None:
+        log(data.note)
     n = len(data)
     if config.delta >= 1.0 / n:
         warnings.warn(f"delta = {config.delta:g} is not below 1/n = {1 / n:.3g}: such a guarantee allows "
@@ -431,7 +440,7 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
             warnings.warn(warning, stacklevel=2)
     if out is not None:
         _write_metrics(out, metrics)
-        export_model(run.model, Path(out, MODEL_DIR))
+        export_model(run.model, Path(out, MODEL_DIR), hf_folder(config.model))
         if plot_curves(history, out / CURVES) is None:
             log(f"matplotlib is not installed: no {CURVES} (pip install matplotlib)")
     if writer is not None:
@@ -493,13 +502,18 @@ def _metrics(run: Run, history: list[dict[str, Any]], nonfinite: int, wall: floa
 MODEL_DIR = "model"
 
 
-def export_model(model: nn.Module, folder: Path) -> Path:
+def export_model(model: nn.Module, folder: Path, tokenizer: str | None = None) -> Path:
     """Write the trained model for publishing, with no secret in it: ``save_pretrained`` for a Hugging Face
-    model, else ``model.pt`` holding only the state_dict (parameters and buffers). Never the checkpoint,
-    which holds the secret key, the optimizer and the ledger."""
+    model (with the tokenizer saved in the folder ``tokenizer``, if given), else ``model.pt`` holding only the
+    state_dict (parameters and buffers). Never the checkpoint, which holds the secret key, the optimizer and
+    the ledger."""
     folder.mkdir(parents=True, exist_ok=True)
     if hasattr(model, "save_pretrained"):
         model.save_pretrained(folder)
+        if tokenizer is not None:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(tokenizer).save_pretrained(folder)
         return folder
     return write_atomic(folder / "model.pt", lambda f: torch.save(model.state_dict(), f))
 

@@ -90,7 +90,7 @@ def test_nonfinite_examples_in_a_run_are_zeroed_counted_and_warned(monkeypatch):
     x = digits.train[0].clone()
     x[[0, 3, 5, 700]] = math.nan
     poisoned = Dataset("digits", (x, digits.train[1]), digits.test, digits.num_classes)
-    monkeypatch.setattr(train_module, "load_dataset", lambda name, download=False: poisoned)
+    monkeypatch.setattr(train_module, "load_dataset", lambda *_: poisoned)
     with pytest.warns(UserWarning, match="non-finite gradients in epoch 1"):
         metrics = train(TrainConfig(model="logreg", epochs=1, noise_multiplier=1.0, accountant="rdp"),
                         progress=False, log=quiet)

@@ -25,12 +25,15 @@ class DatasetNotFound(FileNotFoundError):
 @dataclass
 class Dataset:
     """Train and test splits as (inputs, labels) tensors, or as dicts of tensors with a "labels" entry
-    (tokenized text: input_ids, attention_mask)."""
+    (tokenized text: input_ids, attention_mask); ``classes`` names the labels where the data does, ``note``
+    says how a user's file was read."""
 
     name: str
     train: Any
     test: Any
     num_classes: int
+    classes: tuple[str, ...] | None = None
+    note: str | None = None
 
     @property
     def kind(self) -> str:
@@ -163,10 +166,28 @@ DATASETS: dict[str, Callable[[bool], Dataset]] = {
 }
 
 
-def load_dataset(name: str, download: bool = False) -> Dataset:
-    if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
-    return DATASETS[name](download)
+def check_dataset(name: str) -> None:
+    """Refuse a dataset that is neither a built-in name nor a readable path (``dpopt.data.files``)."""
+    if name in DATASETS:
+        return
+    if not (Path(name).exists() or Path(name).suffix or "/" in name or os.sep in name):
+        raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}, or give a CSV, JSONL or "
+                         "Parquet file or a datasets.save_to_disk folder")
+    from dpopt.data.files import check_path
+
+    check_path(name)
+
+
+def load_dataset(name: str, download: bool = False, text_column: str = "text", label_column: str = "label",
+                 tokenizer: str | None = None) -> Dataset:
+    """A built-in dataset by name, or the user's own from a file or folder (``dpopt.data.files``: the columns
+    and the tokenizer folder, None for MiniLM's, apply to those)."""
+    check_dataset(name)
+    if name in DATASETS:
+        return DATASETS[name](download)
+    from dpopt.data.files import load_file
+
+    return load_file(name, text_column, label_column, tokenizer)
 
 
 def _tabular(name: str) -> Callable[[bool], Dataset]:

@@ -44,11 +44,13 @@ def _snippets() -> tuple[list[str], list[int]]:
     return [r["text"] for r in rows], [int(r["category"] == "fresh") for r in rows]
 
 
-def _tokenize(texts: list[str], labels: list[int]) -> dict[str, torch.Tensor]:
+def tokenize(texts: list[str], labels: list[int], tokenizer: str | None = None) -> dict[str, torch.Tensor]:
+    """Texts padded or cut to ``MAX_LENGTH`` tokens by the tokenizer saved in the folder ``tokenizer`` (None:
+    MiniLM's), as the tensors text models take, with the labels."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
-    enc = tokenizer(texts, padding="max_length", truncation=True, max_length=MAX_LENGTH, return_tensors="pt")
+    encode = AutoTokenizer.from_pretrained(tokenizer or minilm_path())
+    enc = encode(texts, padding="max_length", truncation=True, max_length=MAX_LENGTH, return_tensors="pt")
     return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
             "labels": torch.tensor(labels, dtype=torch.int64)}
 
@@ -65,7 +67,7 @@ def rotten_tomatoes(download: bool = False, per_class: int | None = None) -> Dat
                           for c in (0, 1)]).sort().values.tolist()
         tr_x, tr_y = [tr_x[i] for i in keep], [tr_y[i] for i in keep]
     name = "rotten-tomatoes" if per_class is None else f"rotten-tomatoes-{per_class}"
-    return Dataset(name, _tokenize(tr_x, tr_y), _tokenize(te_x, te_y), 2)
+    return Dataset(name, tokenize(tr_x, tr_y), tokenize(te_x, te_y), 2)
 
 
 def rotten_tomatoes_512(download: bool = False) -> Dataset:
