@@ -188,10 +188,11 @@ class PrivateTrainer(Trainer):
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collate = self._get_collator_with_removed_columns(collate, description="training")
-        self._make_private(dataset, collate)
+        collate = lambda examples, collate=collate: dict(collate(examples)) if examples else {}  # noqa: E731
+        self._make_private(dataset, collate)  # dict(): a tokenizer's BatchEncoding is no pytree of tensors
         steps_per_epoch = self.dp.privatizer.sampler.steps_per_epoch
         return DataLoader(dataset, batch_sampler=_LogicalBatches(self, steps_per_epoch),
-                          collate_fn=lambda examples: collate(examples) if examples else {})
+                          collate_fn=collate)
 
     def _make_private(self, dataset: Any, collate: Callable[[list], Any]) -> None:
         key = secret_key(self.privacy.secret_seed)

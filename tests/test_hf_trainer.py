@@ -138,3 +138,37 @@ def test_bad_use_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no checkpoint"):
         PrivateTrainer(tiny_bert(), arguments(tmp_path / "empty"), train_dataset=data,
                        privacy=privacy).train(resume_from_checkpoint=True)
+
+
+def test_bf16_steps_stay_within_bf16_tolerance_of_fp32(tmp_path):
+    """TrainingArguments(bf16=True): the forward and backward autocast (accelerate), norms and sums in float32."""
+    flat = lambda m: torch.cat([p.detach().flatten() for p in m.parameters()])  # noqa: E731
+    runs = []
+    for bf16 in (False, True):
+        model = tiny_bert()
+        trainer = PrivateTrainer(model, arguments(tmp_path / str(bf16), bf16=bf16, max_steps=2),
+                                 train_dataset=as_list(examples()),
+                                 privacy=PrivacyArguments(noise_multiplier=0.5, batch_size=8, clip=100.0, secret_seed=1))
+        trainer.train()
+        runs.append(flat(model))
+    moved, gap = (runs[0] - flat(tiny_bert())).abs().max(), (runs[1] - runs[0]).abs().max()
+    assert 1e-6 * moved < gap < 1e-2 * moved  # bf16 did run (not bit-equal), and stayed within its rounding
+
+
+def test_a_tokenized_datasets_dataset_with_dynamic_padding_trains(tmp_path):
+    """The usual Hugging Face data path: a datasets.Dataset of texts, a tokenizer, DataCollatorWithPadding (whose
+    BatchEncoding batches, padded per logical batch, reach the engine as plain dicts)."""
+    datasets = pytest.importorskip("datasets")
+    words = ["good", "bad", "film", "plot", "very", "not", "at", "all"]
+    tokenizer = transformers.BertTokenizer(vocab={w: i for i, w in enumerate(
+        ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words])})
+    g = torch.Generator().manual_seed(0)
+    texts = [" ".join(words[j] for j in torch.randint(0, 8, (int(k),), generator=g)) for k in torch.randint(1, 5, (N,))]
+    data = datasets.Dataset.from_dict({"text": texts, "label": [i % 2 for i in range(N)]}).map(
+        lambda b: tokenizer(b["text"]), batched=True)
+    trainer = PrivateTrainer(tiny_bert(), arguments(tmp_path, max_steps=2), train_dataset=data,
+                             eval_dataset=data, processing_class=tokenizer,
+                             data_collator=transformers.DataCollatorWithPadding(tokenizer),
+                             privacy=PrivacyArguments(noise_multiplier=1.0, batch_size=8))
+    trainer.train()
+    assert trainer.ledger.steps == 2 and trainer.evaluate()["eval_loss"] > 0
