@@ -62,10 +62,12 @@ def plot_curves(history: list[dict[str, Any]], path: Path) -> Path | None:
     return write_atomic(path, FigureCanvasAgg(fig).print_png)
 
 
-def tensorboard_writer(folder: Path) -> Any | None:
-    """A ``torch.utils.tensorboard.SummaryWriter`` writing to ``folder``, or None without tensorboard."""
+def tensorboard_writer(folder: Path, purge_step: int | None = None) -> Any | None:
+    """A ``torch.utils.tensorboard.SummaryWriter`` writing to ``folder``, or None without tensorboard. A resumed
+    run passes its first new step as ``purge_step``: TensorBoard then hides the events an interrupted run wrote
+    from that step on, which the resumed run writes again."""
     if importlib.util.find_spec("tensorboard") is None:
         return None
     from torch.utils.tensorboard import SummaryWriter
 
-    return SummaryWriter(str(folder))
+    return SummaryWriter(str(folder), purge_step=purge_step)

@@ -368,7 +368,7 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
     if out is not None:
         out = check_writable(out)
         log = logging_to(out / LOG, log)
-        writer = tensorboard_writer(out / TENSORBOARD)
+        writer = tensorboard_writer(out / TENSORBOARD, None if _resume_state is None else _resume_state["step"] + 1)
         if writer is None:
             log("tensorboard is not installed: no TensorBoard events (pip install tensorboard)")
     if _resume_state is not None:
@@ -430,6 +430,7 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
         if writer is not None:
             for key, value in history[-1].items():
                 writer.add_scalar(f"eval/{key}", value, run.optimizer.steps)
+            writer.flush()  # on disk with the checkpoint, so that a resumed run continues them
         log(f"epoch {epoch + 1}/{config.epochs}: test accuracy {acc:.4f}, epsilon {eps:.4g}")
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     metrics = _metrics(run, history, nonfinite, wall, cpu, finished=True)

@@ -13,6 +13,8 @@ from scipy.stats import norm
 from torch import nn
 
 from dpopt.cli import main
+from dpopt.data.datasets import load_dataset
+from dpopt.federated import config as federated_config
 from dpopt.federated.config import FederatedConfig, build_setup, classification_problem, participants
 from dpopt.federated.partition import partition
 from dpopt.federated.privacy import (LocalNoise, client_ledger, client_stream, ledger_epsilon, noise_std_for,
@@ -20,7 +22,10 @@ from dpopt.federated.privacy import (LocalNoise, client_ledger, client_stream, l
 from dpopt.federated.problem import ModelOracle, Problem
 from dpopt.federated.rules import MessageClipping
 from dpopt.federated.simulator import ClientFailure, InProcessFederation, run_inprocess
+from dpopt.models import build_model
+from dpopt.noise.rng import secret_key
 from dpopt.privacy import PrivacyLedger
+from dpopt.train import accuracy
 
 # ------------------------------------------------------------------------------------------ a tiny problem
 
@@ -284,13 +289,17 @@ def test_cli_writes_metrics(tmp_path, capsys):
         assert key in m
     assert m["algorithm"] == "clip21-sgd2m" and m["rounds"] == 30 and len(m["epsilon_per_client"]) == 4
     assert m["test_accuracy"] > 0.5
-    assert torch.load(tmp_path / "model.pt")["x"].numel() == 64 * 128 + 128 + 128 * 10 + 10
+    state = torch.load(tmp_path / "model" / "model.pt", weights_only=True)  # dpopt train's export
+    model = build_model("mlp", load_dataset("digits"))
+    model.load_state_dict(state)
+    assert sum(v.numel() for v in state.values()) == 64 * 128 + 128 + 128 * 10 + 10
+    assert accuracy(model, load_dataset("digits").test) == m["test_accuracy"]  # the final server model
     assert "per-client epsilon" in capsys.readouterr().out
     again = ["federated", "--clients", "3", "--rounds", "3", "--epsilon", "8", "--delta", "1e-6",
              "--out", str(tmp_path), "--no-progress"]
     with pytest.raises(SystemExit) as e:  # dpopt train's conventions: an existing run is kept
         main(again)
-    assert e.value.code == 2 and "already holds a run (metrics.json, model.pt)" in capsys.readouterr().err
+    assert e.value.code == 2 and "already holds a run (metrics.json, model)" in capsys.readouterr().err
     assert main([*again, "--overwrite"]) == 0
     m = json.loads((tmp_path / "metrics.json").read_text())
     assert 0.99 * 8 <= m["epsilon"] <= 8 and m["delta"] == 1e-6
@@ -301,15 +310,33 @@ def test_cli_writes_metrics(tmp_path, capsys):
     assert "wrote" not in capsys.readouterr().out  # --out is optional, as in dpopt train
 
 
-def test_client_noise_comes_from_os_entropy_unless_a_secret_seed_is_given(tmp_path, capsys):
+def test_client_noise_comes_from_os_entropy_unless_a_secret_seed_is_given(tmp_path, capsys, monkeypatch):
     """Issue 20: two default runs with the same public --seed draw different noise (a fresh key each, stored
-    nowhere); --secret-seed N replays it and metrics.json says so."""
+    nowhere); --secret-seed N replays it and metrics.json says so. No file of the run folder (metrics.json,
+    model/model.pt: the state_dict alone) holds the key or the secret seed."""
+    keys: list[bytes] = []
+
+    def recorded_key() -> bytes:
+        keys.append(secret_key())
+        return keys[-1]
+
+    monkeypatch.setattr(federated_config, "secret_key", recorded_key)
     flags = ["federated", "--model", "logreg", "--clients", "3", "--rounds", "3", "--noise-multiplier", "1",
              "--eval-every", "3", "--no-progress", "--seed", "4"]
-    for name, extra in [("a", []), ("b", []), ("c", ["--secret-seed", "9"]), ("d", ["--secret-seed", "9"])]:
+    seed = ["--secret-seed", "987654321"]
+    for name, extra in [("a", []), ("b", []), ("c", seed), ("d", seed)]:
         assert main([*flags, *extra, "--out", str(tmp_path / name)]) == 0
-    x = {name: torch.load(tmp_path / name / "model.pt")["x"] for name in "abcd"}
-    assert not torch.equal(x["a"], x["b"]) and torch.equal(x["c"], x["d"])
+    x = {name: torch.load(tmp_path / name / "model" / "model.pt", weights_only=True) for name in "abcd"}
+    assert all(x[name].keys() == {"1.weight", "1.bias"} for name in x)  # logreg: Flatten, Linear
+    assert not torch.equal(x["a"]["1.weight"], x["b"]["1.weight"])
+    assert torch.equal(x["c"]["1.weight"], x["d"]["1.weight"])
+    secrets = {"a": [keys[0], keys[0].hex().encode()], "b": [keys[1], keys[1].hex().encode()],
+               "c": [b"987654321"], "d": [b"987654321"]}
+    for name, forms in secrets.items():
+        files = [f for f in (tmp_path / name).rglob("*") if f.is_file()]
+        assert {f.relative_to(tmp_path / name).as_posix() for f in files} == {"metrics.json", "model/model.pt"}
+        for f in files:
+            assert not any(secret in f.read_bytes() for secret in forms), f
     mode = {name: json.loads((tmp_path / name / "metrics.json").read_text())["secret_randomness"] for name in "ac"}
     assert mode == {"a": "os-entropy-key", "c": "secret-seed"}
     assert "REPLAYABLE" in capsys.readouterr().out

@@ -388,6 +388,9 @@ class RecordingWriter:
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         self.scalars.append((tag, value, step))
 
+    def flush(self) -> None:
+        pass
+
     def close(self) -> None:
         self.closed = True
 
@@ -395,7 +398,7 @@ class RecordingWriter:
 def test_the_run_folder_has_metrics_from_the_first_evaluation_a_log_curves_and_tensorboard_events(tmp_path,
                                                                                                   monkeypatch):
     writer = RecordingWriter()
-    monkeypatch.setattr(train_module, "tensorboard_writer", lambda folder: writer)
+    monkeypatch.setattr(train_module, "tensorboard_writer", lambda folder, purge_step: writer)
     seen = {}
 
     def log(line: str) -> None:
@@ -410,6 +413,49 @@ def test_the_run_folder_has_metrics_from_the_first_evaluation_a_log_curves_and_t
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
     assert [s for t, _, s in writer.scalars if t == "train/loss"] == list(range(1, 23))
     assert [s for t, _, s in writer.scalars if t == "eval/epsilon"] == [11, 22] and writer.closed
+
+
+def test_tensorboard_events_read_back_match_metrics_json_and_a_resumed_run_logs_each_step_once(tmp_path,
+                                                                                               monkeypatch):
+    """With tensorboard installed: a run interrupted at step 8 (after its checkpoint at step 5) and resumed
+    leaves events that TensorBoard reads as one loss per step and, per epoch, the test accuracy and epsilon
+    of metrics.json; the interrupted run's events past step 5 are hidden (purged)."""
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    real, opened = report.tensorboard_writer, []
+
+    def crashing(folder, purge_step):
+        writer = real(folder, purge_step)
+        opened.append(writer)
+        add = writer.add_scalar
+
+        def add_scalar(tag: str, value: float, step: int) -> None:
+            add(tag, value, step)
+            if step == 8:  # what a killed process leaves: its events flushed, no checkpoint since step 5
+                writer.flush()
+                raise KeyboardInterrupt
+
+        writer.add_scalar = add_scalar
+        return writer
+
+    run = str(tmp_path / "run")
+    monkeypatch.setattr(train_module, "tensorboard_writer", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        main(["train", "--dataset", "digits", "--model", "mlp", "--epochs", "2", "--checkpoint-every", "5",
+              "--out", run, "--no-progress"])
+    opened[0].close()
+    monkeypatch.undo()
+    assert load_checkpoint(run)["step"] == 5
+    assert main(["train", "--resume", run, "--no-progress"]) == 0
+    assert len(list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    events = event_accumulator.EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    history = json.loads((tmp_path / "run" / "metrics.json").read_text())["history"]
+    assert [step for step, _ in scalars["train/loss"]] == list(range(1, 23))
+    for key in ["test_accuracy", "epsilon", "train_loss"]:
+        assert [step for step, _ in scalars[f"eval/{key}"]] == [h["step"] for h in history] == [11, 22]
+        assert [value for _, value in scalars[f"eval/{key}"]] == pytest.approx([h[key] for h in history],
+                                                                               rel=1e-6)
 
 
 def test_without_matplotlib_or_tensorboard_the_run_says_so(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """``dpopt federated``: one federated run with local DP, in process or on Flower; with ``--out DIR`` it writes
-DIR/metrics.json and DIR/model.pt, under ``dpopt train``'s conventions (an existing run refused unless
-``--overwrite``, the folder checked to be writable before anything runs)."""
+DIR/metrics.json and DIR/model/ (the final server model, exported as ``dpopt train`` exports its own), under
+``dpopt train``'s conventions (an existing run refused unless ``--overwrite``, the folder checked to be
+writable before anything runs)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ from dpopt.federated.privacy import CALIBRATIONS
 from dpopt.federated.rules import ALGORITHMS, CLIP_MODES
 from dpopt.federated.simulator import ClientFailure, run_inprocess, save_outputs
 from dpopt.models import MODELS
+from dpopt.train import MODEL_DIR
 
 RUNTIMES = ("simulation", "deployment")
-RUN_FILES = ("metrics.json", "model.pt")  # what a run writes in --out
+RUN_FILES = ("metrics.json", MODEL_DIR)  # what a run writes in --out
 RANDOMNESS_NOTE = {
     "os-entropy-key": "Client noise and batches came from a key drawn from OS entropy for this run; nothing "
                       "stores it.",
@@ -81,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flower-runtime", default="simulation", choices=RUNTIMES,
                    help="with --engine flower: Flower's simulation engine (Ray), or a SuperLink and n SuperNode "
                         "processes over loopback")
-    p.add_argument("--out", help="run folder: metrics.json and model.pt; an existing run there is refused unless "
+    p.add_argument("--out", help="run folder: metrics.json and model/; an existing run there is refused unless "
                                  "--overwrite")
     p.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
     p.add_argument("--no-progress", action="store_true")
@@ -123,16 +125,17 @@ def run(args: argparse.Namespace) -> int:
             metrics = run_deployment(config, args.out, secret_seed=args.secret_seed)
         else:
             if args.engine == "inprocess":
-                result = run_inprocess(build_setup(config, key=args.secret_seed), progress=not args.no_progress)
+                setup = build_setup(config, key=args.secret_seed)
+                result = run_inprocess(setup, progress=not args.no_progress)
             else:
                 flower = _flower()
-                build_setup(config)  # refuse bad input before Flower starts
+                setup = build_setup(config)  # refuse bad input before Flower starts; its model exports the result
                 with tqdm(total=config.rounds, desc=f"{config.algorithm} on Flower",
                           disable=args.no_progress) as bar:
                     result = flower.run_simulation(config, bar, secret_seed=args.secret_seed)
             metrics = {**result.metrics, "secret_randomness": mode}  # the server cannot know; the launcher does
             if args.out is not None:
-                save_outputs(args.out, metrics, result.x)
+                save_outputs(args.out, metrics, setup.problem, result.x)
     except ClientFailure as e:
         print(f"dpopt: error: {e}", file=sys.stderr)
         return 3

@@ -146,7 +146,8 @@ def classification_problem(config: FederatedConfig, key: int | bytes | None,
         torch.nn.utils.vector_to_parameters(x, [p for p in model.parameters() if p.requires_grad])
         return {"test_accuracy": accuracy(model, data.test)}
 
-    return Problem(oracle, layout.flatten(model), layout.sizes, [len(p) for p in parts], evaluate, data.num_classes)
+    return Problem(oracle, layout.flatten(model), layout.sizes, [len(p) for p in parts], evaluate, data.num_classes,
+                   model)
 
 
 def build_setup(config: FederatedConfig, problem: Problem | None = None, key: int | bytes | None = None) -> Setup:

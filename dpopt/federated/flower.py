@@ -284,7 +284,7 @@ def make_server_app(config_json: str | None = None, results: dict[str, Any] | No
         if results is not None:
             results.update(metrics=metrics, x=strategy.server.x.clone())
         if OUT_KEY in context.run_config and context.run_config[OUT_KEY]:
-            save_outputs(str(context.run_config[OUT_KEY]), metrics, strategy.server.x)
+            save_outputs(str(context.run_config[OUT_KEY]), metrics, setup.problem, strategy.server.x)
 
     return app
 

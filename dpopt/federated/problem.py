@@ -117,7 +117,8 @@ class ModelOracle:
 @dataclass
 class Problem:
     """A federated problem: the oracle, the starting point, the parameter blocks (for layer-wise
-    clipping), each client's data size, and an evaluation of the server model."""
+    clipping), each client's data size, an evaluation of the server model, and the model whose trainable
+    parameters the flat point holds (None for problems without one, which cannot be exported)."""
 
     oracle: GradientOracle
     x0: torch.Tensor
@@ -125,6 +126,7 @@ class Problem:
     client_sizes: list[int]
     evaluate: Callable[[torch.Tensor], dict[str, float]]
     classes: int | None = None  # of a classification problem (its chance accuracy is 1 / classes)
+    model: nn.Module | None = None
 
     @property
     def clients(self) -> int:

@@ -25,11 +25,14 @@ from typing import Any, Callable, Literal
 import torch
 from tqdm.auto import tqdm
 
+from dpopt.checkpoint import write_atomic
 from dpopt.federated.config import Setup, drops_out, participants
+from dpopt.federated.problem import Problem
 from dpopt.federated.privacy import ClientLedgers, ClientNoise, epsilons_of
 from dpopt.federated.rules import ServerState, client_update
 from dpopt.privacy import PrivacyLedger
 from dpopt.report import chance_warning
+from dpopt.train import MODEL_DIR, export_model
 
 Fault = Literal["crash", "lost"]
 FaultSchedule = Callable[[int, int], "Fault | None"]
@@ -161,12 +164,14 @@ def finish(setup: Setup, server: ServerState, ledgers: list[dict], history: list
 
 
 
-def save_outputs(out: str | Path, metrics: dict[str, Any], x: torch.Tensor) -> None:
-    """``out/metrics.json`` and ``out/model.pt`` (the final flat server model), each written atomically."""
+def save_outputs(out: str | Path, metrics: dict[str, Any], problem: Problem, x: torch.Tensor) -> None:
+    """``out/metrics.json`` and ``out/model/``: the final server model ``x`` exported as ``dpopt train`` exports
+    its model (``export_model``: ``model/model.pt``, the state_dict and no secret), each written atomically."""
+    if problem.model is None:
+        raise ValueError("this federated problem has no model to export")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "metrics.json.tmp"
-    tmp.write_text(json.dumps(metrics, indent=2))
-    tmp.replace(out / "metrics.json")
-    torch.save({"x": x.cpu().clone()}, out / "model.pt.tmp")
-    (out / "model.pt.tmp").replace(out / "model.pt")
+    write_atomic(out / "metrics.json", lambda f: f.write(json.dumps(metrics, indent=2).encode()))
+    trainable = [p for p in problem.model.parameters() if p.requires_grad]
+    torch.nn.utils.vector_to_parameters(x.detach().clone(), trainable)  # a copy: x stays the server's
+    export_model(problem.model, out / MODEL_DIR)
