@@ -65,9 +65,18 @@ def per_example_loss(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
     model's token cross-entropy averaged over the example's own labelled tokens (next-token shifted for a causal
     LM). The model's built-in loss averages over the batch's tokens, which would make an example's weight depend
     on the others' lengths: its clipped contribution would no longer be bounded by one example alone."""
+    return _losses(model, *_forward(model, inputs))
+
+
+def _forward(model: nn.Module, inputs: dict[str, Any]) -> tuple[Any, torch.Tensor]:
+    """The model's output on ``inputs`` without their labels, and the labels."""
     inputs = dict(inputs)
     labels = inputs.pop("labels")
-    logits = model(**inputs).logits.float()
+    return model(**inputs), labels
+
+
+def _losses(model: nn.Module, out: Any, labels: torch.Tensor) -> torch.Tensor:
+    logits = (out.logits if hasattr(out, "logits") else out).float()  # a model output, or your module's logits
     if logits.dim() == 2:
         if logits.shape[-1] == 1:
             return (logits.squeeze(-1) - labels.float()) ** 2
@@ -236,6 +245,18 @@ class PrivateTrainer(Trainer):
         self._update.hold(self.dp.released(sums))
         loss = losses.mean() if losses is not None and losses.numel() else torch.tensor(float("nan"))
         return loss.detach().to(self.args.device)
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        """Evaluation's loss (training never calls this): the mean per-example loss, as trained."""
+        if self.per_example_loss is per_example_loss:
+            out, labels = _forward(model, inputs)
+            loss = _losses(model, out, labels).mean()
+        else:
+            loss, out = self.per_example_loss(model, inputs).mean(), None
+            if return_outputs:
+                out = _forward(model, inputs)[0]
+        return (loss, out) if return_outputs else loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """The Trainer's logs, with the epsilon spent so far (so TensorBoard and W&B get it through report_to)."""

@@ -1,14 +1,15 @@
 """The pretrained MiniLM fine-tuned on Rotten Tomatoes at epsilon 3 through the Hugging Face Trainer
 (``dpopt.hf.PrivateTrainer``), against ``dpopt train`` on the same setting (issue 22).
 
-Setting: all-MiniLM-L6-v2 with a fresh [CLS] classification head (``AutoModelForSequenceClassification``: what a
-Trainer user starts from; ``--model minilm`` in dpopt train), the ``rotten-tomatoes-512`` split (512 snippets
-per class, the test split's 2,562 snippets), Poisson batches of expected size 64 in physical batches of 32,
-C = 1, delta = 1e-5, Adam without weight decay at a constant learning rate, the same seed and secret seed
-(the same batches and noise). Methods: ``train`` (dpopt train, dp-adam), ``trainer`` (PrivateTrainer, the
-Trainer's AdamW with weight decay 0: DP-Adam), ``trainer-lora`` (LoRA r = 16 on query/value, the head trained
-too) and ``trainer-lora-grape`` (the same adapters trained by DP-GRAPE, rank 4). Each finished run is a line of
-results.jsonl (skipped when run again); ``--summarize`` writes table.md.
+Setting: all-MiniLM-L6-v2 (``--model``: ``minilm-prompt``, its normalised mean-pooled embedding with a head
+started at two prompts' embeddings, the zero-shot classifier, as in docs/grape.md; or ``minilm``,
+``AutoModelForSequenceClassification``'s fresh [CLS] head), the ``rotten-tomatoes-512`` split (512 snippets per
+class, 64 tokens; the test split's 2,562 snippets), Poisson batches of expected size ``--batch-size`` in
+physical batches of 32, C = ``--clip``, delta = 1e-5, Adam without weight decay at a constant learning rate, the
+same seed and secret seed (the same initial head, batches and noise). Methods: ``train`` (dpopt train,
+dp-adam), ``trainer`` (PrivateTrainer, the Trainer's AdamW with weight decay 0: DP-Adam), ``trainer-lora`` (LoRA
+r = 16 on query/value, the head trained too) and ``trainer-lora-grape`` (the same adapters trained by DP-GRAPE,
+rank 4). Each finished run is a line of results.jsonl (skipped when run again); ``--summarize`` writes table.md.
 """
 
 from __future__ import annotations
@@ -24,38 +25,39 @@ import torch
 
 from dpopt.algorithms import Hyperparameters
 from dpopt.data.datasets import load_dataset
+from dpopt.models import build_model
 from dpopt.noise.rng import derive_seed
 from dpopt.train import TrainConfig, accuracy, freeze_all_but, train
 
-DATASET, EPSILON, DELTA, BATCH, PHYSICAL, CLIP = "rotten-tomatoes-512", 3.0, 1e-5, 64, 32, 1.0
+DATASET, EPSILON, DELTA, PHYSICAL = "rotten-tomatoes-512", 3.0, 1e-5, 32
 METHODS = ("train", "trainer", "trainer-lora", "trainer-lora-grape")
 
 
 def run_train(a: argparse.Namespace, seed: int, lr: float) -> float:
-    config = TrainConfig(algorithm="dp-adam", dataset=DATASET, model="minilm", epsilon=EPSILON, delta=DELTA,
-                         epochs=a.epochs, batch_size=BATCH, physical_batch_size=PHYSICAL, clip=CLIP, seed=seed,
+    config = TrainConfig(algorithm="dp-adam", dataset=DATASET, model=a.model, epsilon=EPSILON, delta=DELTA,
+                         epochs=a.epochs, batch_size=a.batch_size, physical_batch_size=PHYSICAL, clip=a.clip, seed=seed,
                          secret_seed=seed, trainable=a.trainable,
                          hp=dataclasses.replace(Hyperparameters.for_algorithm("dp-adam"), lr=lr))
     return train(config, progress=False, log=lambda s: None)["test_accuracy"]
 
 
 def run_trainer(a: argparse.Namespace, method: str, seed: int, lr: float, out: Path) -> float:
-    from transformers import AutoModelForSequenceClassification, TrainingArguments
+    from transformers import TrainingArguments
 
-    from dpopt.data.text import minilm_path
     from dpopt.hf import PrivacyArguments, PrivateTrainer
 
     data = load_dataset(DATASET)
     torch.manual_seed(derive_seed(seed, "public", "init"))  # the head dpopt train starts from
-    model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=2)
+    model = build_model(a.model, data)
     algorithm, hyperparameters = None, {}
     if method == "trainer" and a.trainable:
         freeze_all_but(model, a.trainable)
     if method != "trainer":
         import peft
 
+        head = {"task_type": "SEQ_CLS"} if a.model == "minilm" else {"modules_to_save": ["head"]}
         model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, target_modules=["query", "value"],
-                                                           task_type="SEQ_CLS"))
+                                                           **head))
         if method == "trainer-lora-grape":
             algorithm, hyperparameters = "dp-grape", {"rank": 4}
     x = data.train
@@ -65,7 +67,7 @@ def run_trainer(a: argparse.Namespace, method: str, seed: int, lr: float, out: P
                              lr_scheduler_type="constant", max_grad_norm=0.0, save_strategy="no", report_to=[],
                              logging_steps=10, disable_tqdm=True, use_cpu=True, seed=seed)
     trainer = PrivateTrainer(model, args, train_dataset=examples, privacy=PrivacyArguments(
-        epsilon=EPSILON, delta=DELTA, batch_size=BATCH, clip=CLIP, algorithm=algorithm, secret_seed=seed,
+        epsilon=EPSILON, delta=DELTA, batch_size=a.batch_size, clip=a.clip, algorithm=algorithm, secret_seed=seed,
         hyperparameters=hyperparameters))
     trainer.train()
     assert trainer.epsilon() <= EPSILON
@@ -74,15 +76,15 @@ def run_trainer(a: argparse.Namespace, method: str, seed: int, lr: float, out: P
 
 def summarize(out: Path) -> str:
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    lines = ["| method | trained | lr | epsilon | test accuracy (%) | seeds | CPU time per run (s) |",
-             "|---|---|---|---|---|---|---|"]
-    for method, trainable in sorted({(r["method"], r.get("trainable") or "") for r in rows},
-                                    key=lambda k: (k[1], METHODS.index(k[0]))):
-        mine = [r for r in rows if (r["method"], r.get("trainable") or "") == (method, trainable)]
+    lines = ["| model | method | trained | lr | epsilon | test accuracy (%) | seeds | CPU time per run (s) |",
+             "|---|---|---|---|---|---|---|---|"]
+    key = lambda r: (r.get("model", "minilm"), r["method"], r.get("trainable") or "")  # noqa: E731
+    for model, method, trainable in sorted({key(r) for r in rows}, key=lambda k: (k[0], k[2], METHODS.index(k[1]))):
+        mine = [r for r in rows if key(r) == (model, method, trainable)]
         acc = [100 * r["test_accuracy"] for r in mine]
         sd = f" ± {statistics.stdev(acc):.1f}" if len(acc) > 1 else ""
-        trained = "LoRA r 16 (query, value) + head" if method.startswith("trainer-lora") else trainable or "all"
-        lines.append(f"| {method} | {trained} | {mine[0]['lr']:g} | {mine[0]['epsilon']:g} | {statistics.mean(acc):.1f}{sd} "
+        trained = "LoRA r 16 (query, value), head" if method.startswith("trainer-lora") else trainable or "all"
+        lines.append(f"| {model} | {method} | {trained} | {mine[0]['lr']:g} | {mine[0]['epsilon']:g} | {statistics.mean(acc):.1f}{sd} "
                      f"| {len(acc)} | {statistics.mean(r['cpu_s'] for r in mine):.0f} |")
     table = "\n".join(lines) + "\n"
     (out / "table.md").write_text(table)
@@ -94,8 +96,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--lr", type=float, default=5e-4, help="full fine-tuning (train, trainer)")
+    p.add_argument("--batch-size", type=int, default=32, help="expected logical batch")
+    p.add_argument("--clip", type=float, default=0.5)
+    p.add_argument("--lr", type=float, default=3e-4, help="full fine-tuning (train, trainer)")
     p.add_argument("--lr-lora", type=float, default=3e-3, help="LoRA adapters (trainer-lora, trainer-lora-grape)")
+    p.add_argument("--model", default="minilm-prompt", choices=["minilm", "minilm-prompt"],
+                   help="minilm-prompt: mean-pooled embedding, head started at two prompts' embeddings (zero-shot); "
+                        "minilm: AutoModelForSequenceClassification's fresh [CLS] head")
     p.add_argument("--trainable", help="train and trainer: only the parameters matching this regular expression")
     p.add_argument("--out", default="runs/hf_trainer")
     p.add_argument("--summarize", action="store_true")
@@ -104,15 +111,16 @@ def main(argv: list[str]) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "results.jsonl"
-    done = {(r["method"], r["seed"], r.get("trainable")) for r in map(json.loads, log.read_text().splitlines())} if log.exists() else set()
+    done = {(r["method"], r.get("model", "minilm"), r["seed"], r.get("trainable")) for r in map(json.loads, log.read_text().splitlines())} if log.exists() else set()
     for seed in [] if a.summarize else a.seeds:
         for method in a.methods:
-            if (method, seed, None if method.startswith("trainer-lora") else a.trainable) in done:
+            if (method, a.model, seed, None if method.startswith("trainer-lora") else a.trainable) in done:
                 continue
             lr = a.lr if method in ("train", "trainer") else a.lr_lora
             start = time.process_time()
             acc = run_train(a, seed, lr) if method == "train" else run_trainer(a, method, seed, lr, out)
-            row = {"method": method, "seed": seed, "lr": lr, "epsilon": EPSILON, "epochs": a.epochs,
+            row = {"method": method, "model": a.model, "seed": seed, "lr": lr, "epsilon": EPSILON, "epochs": a.epochs,
+                   "batch_size": a.batch_size, "clip": a.clip,
                    "trainable": None if method.startswith("trainer-lora") else a.trainable,
                    "test_accuracy": acc, "cpu_s": time.process_time() - start}
             with log.open("a") as f:
