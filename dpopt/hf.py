@@ -163,6 +163,7 @@ class PrivateTrainer(Trainer):
             raise ValueError("fp16 is not supported by PrivateTrainer (its loss scaler never sees the per-example "
                              "gradients); use bf16, or fp32")
         self.privacy, self.per_example_loss = privacy, per_example_loss
+        self._given = self.optimizer, self.lr_scheduler  # Trainer(optimizers=...), or (None, None)
         self.dp: DPOptimizer | None = None
         self._resume: str | None = None
 
@@ -207,12 +208,12 @@ class PrivateTrainer(Trainer):
         key = secret_key(self.privacy.secret_seed)
         if self._resume:
             key = torch.load(os.path.join(self._resume, "optimizer.pt"), weights_only=True)["secret_key"]
+        self.optimizer, self.lr_scheduler = self._given  # a resumed train() builds afresh, then loads the state
         algorithm = self.privacy.algorithm or super().create_optimizer()
         p = self.privacy
         _, private, _ = make_private(
             self.model, algorithm, Subset(dataset, range(len(dataset))), self.per_example_loss,  # a list too
-            batch_size=p.batch_size,
-            epochs=self.args.num_train_epochs, steps=self.args.max_steps if self.args.max_steps > 0 else None,
+            batch_size=p.batch_size, epochs=self.args.num_train_epochs, steps=self.args.max_steps if self.args.max_steps > 0 else None,
             epsilon=p.epsilon, noise_multiplier=p.noise_multiplier, delta=p.delta, clip=p.clip, clipping=p.clipping,
             physical_batch_size=self.args.per_device_train_batch_size, accountant=p.accountant, secret_seed=key,
             hp=self._recipe_hyperparameters(), collate_fn=collate)

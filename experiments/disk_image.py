@@ -23,7 +23,10 @@ from pathlib import Path
 import torch
 
 from dpopt.algorithms import Hyperparameters
-from dpopt.data.datasets import DATASETS, Dataset, load_dataset
+from dpopt.data.datasets import DATASETS, Dataset, labels_of, load_dataset
+from dpopt.data.samplers import PoissonSampler
+from dpopt.noise.rng import SecretStream
+from dpopt.privacy import noise_multiplier_for
 from dpopt.train import TrainConfig, train
 
 BASES = {"sgd": Hyperparameters(lr=1.0, momentum=0.9), "adam": Hyperparameters(lr=2e-3)}
@@ -86,9 +89,15 @@ def tuning_key(base: str, clipping: str) -> str:
 def run_config(a: argparse.Namespace, algorithm: str, dataset: str, epsilon: float, clipping: str, seed: int,
                hp: Hyperparameters) -> TrainConfig:
     """One run of the grid; the seed is also the secret seed, so a base and its DiSK see the same noise."""
-    return TrainConfig(algorithm=algorithm, dataset=dataset, model="cnn", epsilon=epsilon, delta=1e-5,
-                       epochs=a.epochs, batch_size=a.batch_size, physical_batch_size=a.physical_batch_size,
-                       clip=CLIP[clipping] or a.clip, clipping=clipping, seed=seed, secret_seed=seed, hp=hp)
+    noise = {"epsilon": epsilon}
+    if a.calibration_epochs:  # the noise of a calibration_epochs-long run at epsilon; this run is its first epochs
+        n = len(labels_of(load_dataset(dataset).train))
+        sampler = PoissonSampler.with_batch_size(n, a.batch_size, SecretStream(None, "unused"))
+        noise = {"noise_multiplier": noise_multiplier_for(epsilon, 1e-5, sampler.participation,
+                                                          a.calibration_epochs * sampler.steps_per_epoch)}
+    return TrainConfig(algorithm=algorithm, dataset=dataset, model="cnn", delta=1e-5, epochs=a.epochs,
+                       batch_size=a.batch_size, physical_batch_size=a.physical_batch_size,
+                       clip=CLIP[clipping] or a.clip, clipping=clipping, seed=seed, secret_seed=seed, hp=hp, **noise)
 
 
 def hyperparameters(tuned: Path, dataset: str, base: str, clipping: str, kappa: float | None,
@@ -178,6 +187,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--clip", type=float, default=0.1, help="flat clipping's C (automatic clipping uses C = 1)")
     p.add_argument("--clipping", nargs="+", default=["flat"], choices=sorted(CLIP))
+    p.add_argument("--calibration-epochs", type=int,
+                   help="calibrate the noise for this many epochs and run --epochs of them: the first epochs of a "
+                        "longer run, at its noise per step (epsilon spent is then below the target)")
     p.add_argument("--physical-batch-size", type=int, help="examples per forward/backward (default: the trainer's)")
     p.add_argument("--out", default="runs/disk_image")
     p.add_argument("--summarize", action="store_true", help="only write the table and the plot")
@@ -215,7 +227,7 @@ def main(argv: list[str]) -> int:
                                    "method": method, "seed": seed,
                                    "test_accuracy": m["test_accuracy"], "epsilon_spent": m["epsilon"],
                                    "lr": config.hp.lr, "epochs": a.epochs, "batch_size": a.batch_size,
-                                   "clip": config.clip,
+                                   "clip": config.clip, "calibration_epochs": a.calibration_epochs,
                                    **({"kappa": kappa, "gamma": gamma} if method == "disk" else {}),
                                    "noise_multiplier": m["noise_multiplier"], "steps": m["steps"],
                                    "accuracy_per_epoch": [h["test_accuracy"] for h in m["history"]],

@@ -172,3 +172,19 @@ def test_a_tokenized_datasets_dataset_with_dynamic_padding_trains(tmp_path):
                              privacy=PrivacyArguments(noise_multiplier=1.0, batch_size=8))
     trainer.train()
     assert trainer.ledger.steps == 2 and trainer.evaluate()["eval_loss"] > 0
+
+
+def test_the_same_trainer_resumes_from_its_own_checkpoint_exactly(tmp_path):
+    kw = dict(save_strategy="steps", save_steps=2, optim="adamw_torch", learning_rate=1e-2,
+              lr_scheduler_type="linear")
+    privacy = PrivacyArguments(noise_multiplier=1.0, batch_size=8, secret_seed=5)
+    whole = PrivateTrainer(tiny_bert(), arguments(tmp_path / "a", **kw), train_dataset=as_list(examples()),
+                           privacy=privacy)
+    whole.train()
+    again = PrivateTrainer(tiny_bert(), arguments(tmp_path / "b", **kw), train_dataset=as_list(examples()),
+                           privacy=privacy)
+    again.train()
+    again.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))  # steps 3-4 again, from step 2
+    for p, q in zip(whole.model.parameters(), again.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert again.ledger.steps == 4
