@@ -162,6 +162,8 @@ class PrivateTrainer(Trainer):
         if self.args.fp16:
             raise ValueError("fp16 is not supported by PrivateTrainer (its loss scaler never sees the per-example "
                              "gradients); use bf16, or fp32")
+        if not self.label_names:  # a module whose forward names no labels: keep them for per_example_loss
+            self.label_names = ["labels"]
         self.privacy, self.per_example_loss = privacy, per_example_loss
         self._given = self.optimizer, self.lr_scheduler  # Trainer(optimizers=...), or (None, None)
         self.dp: DPOptimizer | None = None

@@ -83,8 +83,7 @@ def main() -> None:
         r=16, lora_alpha=16, target_modules=["query", "value"], modules_to_save=["head"]))  # adapters and head train
     args = TrainingArguments("runs/hf_trainer_example", per_device_train_batch_size=32, num_train_epochs=3,
                              learning_rate=1e-3, lr_scheduler_type="constant", eval_strategy="no",
-                             save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True,
-                             label_names=["labels"])  # the peft wrapper hides the forward signature
+                             save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True)
     trainer = PrivateTrainer(model, args, train_dataset=train, eval_dataset=test, processing_class=tokenizer,
                              data_collator=DataCollatorWithPadding(tokenizer),
                              privacy=PrivacyArguments(epsilon=EPSILON, delta=DELTA, batch_size=64, clip=1.0))

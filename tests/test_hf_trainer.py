@@ -188,3 +188,20 @@ def test_the_same_trainer_resumes_from_its_own_checkpoint_exactly(tmp_path):
     for p, q in zip(whole.model.parameters(), again.model.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
     assert again.ledger.steps == 4
+
+
+def test_any_module_that_returns_logits_trains_and_predicts(tmp_path):
+    """A plain nn.Module whose forward names no labels (so the Trainer's column filter would drop them)."""
+    class Bag(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(40, 8), torch.nn.Linear(8, 2)
+
+        def forward(self, input_ids, attention_mask, **_):
+            return self.head(self.embed(input_ids).mean(1))
+
+    torch.manual_seed(0)
+    trainer = PrivateTrainer(Bag(), arguments(tmp_path, max_steps=2), train_dataset=as_list(examples()),
+                             privacy=PrivacyArguments(noise_multiplier=1.0, batch_size=8))
+    trainer.train()
+    assert trainer.ledger.steps == 2 and trainer.predict(as_list(examples())).label_ids.shape == (N,)
