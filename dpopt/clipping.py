@@ -11,11 +11,15 @@ which the accountant applies); every mode below guarantees it.
   normalised, norm < C.
 
 An example whose norm is not finite gets weight 0 and contributes nothing; it is counted (and ``dpopt train``
-warns). A negative squared norm is an error, never a weight.
+warns). A negative squared norm is an error, never a weight. ``clip_and_sum`` keeps the counts and the
+negative-norm check on the device while it weighs (once per chunk of examples, which may be once per layer) and
+reads them once, before it returns the sums: one host synchronisation per call, and nothing is released before
+the check.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -43,16 +47,18 @@ class Clipping:
     def sensitivity(self) -> float:
         return float(self.bound)
 
-    def weights(self, sq_norms: torch.Tensor, groups: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def weights(self, sq_norms: torch.Tensor, groups: list[int],
+                check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-example, per-parameter weights [B, P] and the mask of examples with finite norms [B]. A negative
         squared norm is refused: norms are sums of squares, so it can only be a numerical failure, and turning
-        it into a weight (NaN, then 0) would hide it."""
-        if bool((sq_norms < 0).any()):
-            raise FloatingPointError(f"a per-example squared norm is negative ({float(sq_norms.min()):.3e}): the "
-                                     "norm computation lost precision; please report this model and statistic")
+        it into a weight (NaN, then 0) would hide it. ``check=False`` leaves that check to the caller (which must
+        make it before anything is released: ``clip_and_sum`` does, once per call instead of once per chunk, and
+        raises instead of returning the sums these weights formed)."""
+        if check:
+            _refuse_negative(_lowest(sq_norms))
         if self.mode == "per-layer":
-            group = torch.tensor(groups, device=sq_norms.device)
-            n_groups = int(group.max()) + 1
+            group = _group_index(tuple(groups), sq_norms.device)
+            n_groups = max(groups) + 1
             per_group = sq_norms.new_zeros(sq_norms.shape[0], n_groups).index_add_(1, group, sq_norms)
             norms = per_group.sqrt()
             finite = torch.isfinite(norms).all(1)
@@ -67,6 +73,26 @@ class Clipping:
             w = w.unsqueeze(1).expand_as(sq_norms)
         w = torch.where(finite.unsqueeze(1), w, torch.zeros_like(w))
         return w, finite
+
+
+def _lowest(sq_norms: torch.Tensor) -> torch.Tensor:
+    """The most negative entry of ``sq_norms``, or 0 if none is negative (NaN entries are not negative), on the
+    device."""
+    negative = torch.where(sq_norms < 0, sq_norms, sq_norms.new_zeros(()))
+    return negative.min() if negative.numel() else negative.new_zeros(())
+
+
+def _refuse_negative(lowest: torch.Tensor | float | None) -> None:
+    """Raise if ``lowest`` (``_lowest`` of the squared norms) is negative (a host synchronisation)."""
+    if lowest is not None and float(lowest) < 0:
+        raise FloatingPointError(f"a per-example squared norm is negative ({float(lowest):.3e}): the norm "
+                                 "computation lost precision; please report this model and statistic")
+
+
+@functools.lru_cache(maxsize=64)
+def _group_index(groups: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The per-layer group of each statistic tensor, on ``device``: copied there once, not on every call."""
+    return torch.tensor(groups, device=device)
 
 
 @dataclass(frozen=True)
@@ -101,16 +127,19 @@ class PerExampleStatistic(Protocol):
 def clip_and_sum(grads: PerExampleStatistic, clipping: Clipping, release: bool = False,
                  into: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], ClipStats]:
     """The clipped sum sum_i clip(g_i) per parameter (``clipped_sum``, weights from ``Clipping.weights``);
-    ``release`` lets the statistic free its per-example storage while summing (the private step's use)."""
-    nonfinite = clipped = 0
+    ``release`` lets the statistic free its per-example storage while summing (the private step's use).
+    ``weigh`` may be called once per chunk of examples: its counts and smallest squared norm stay on the device
+    and are read once, at the end, where a negative squared norm is refused before the sums are returned."""
+    totals: list[torch.Tensor] = []  # [smallest squared norm, non-finite, clipped] of each call, in float64
 
     def weigh(sq_norms: torch.Tensor) -> torch.Tensor:
-        nonlocal nonfinite, clipped
-        w, finite = clipping.weights(sq_norms, grads.groups)
-        nonfinite += int((~finite).sum())
+        w, finite = clipping.weights(sq_norms, grads.groups, check=False)
         smallest = w[:, 0] if w.stride(1) == 0 else w.amin(1)  # one weight per example (flat) or per part
-        clipped += int(((smallest < 1) & finite).sum())
+        totals.append(torch.stack([_lowest(sq_norms).double(), (~finite).sum().double(),
+                                   ((smallest < 1) & finite).sum().double()]))
         return w
 
     sums = grads.clipped_sum(weigh, release, into)
-    return sums, ClipStats(grads.batch_size, nonfinite, clipped)
+    lowest, nonfinite, clipped = torch.stack(totals).T.tolist() if totals else ([], [0], [0])  # one synchronisation
+    _refuse_negative(min(lowest, default=None))
+    return sums, ClipStats(grads.batch_size, int(sum(nonfinite)), int(sum(clipped)))

@@ -246,7 +246,7 @@ class PrivateTrainer(Trainer):
             inputs = self._prepare_inputs(inputs)
             sums, _, losses = self.dp.clipped_sums(inputs, torch.arange(batch_size_of(inputs)))
         self._update.hold(self.dp.released(sums))
-        loss = losses.mean() if losses is not None and losses.numel() else torch.tensor(float("nan"))
+        loss = (losses[0] / losses[1]).float() if losses is not None else torch.tensor(float("nan"))  # 0/0: nan
         return loss.detach().to(self.args.device)
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,

@@ -173,25 +173,29 @@ class DPOptimizer:
             self.verify(data)
         sums, (examples, nonfinite, clipped), loss = self.clipped_sums(data, self.privatizer.batch(self.steps))
         self.finish(sums)
+        loss_sum, loss_count = (0.0, 0) if loss is None else loss.tolist()  # the step's one read of the loss
         examples, nonfinite, clipped, loss_sum, loss_count = self.privatizer.total(
-            [examples, nonfinite, clipped, 0.0 if loss is None else float(loss.double().sum()),
-             0 if loss is None else loss.numel()])
+            [examples, nonfinite, clipped, loss_sum, loss_count])
         return StepResult(loss_sum / loss_count if loss_count else None, int(examples), int(nonfinite),
                           int(clipped))
 
     def clipped_sums(self, data: Any, index: torch.Tensor) -> tuple[list[torch.Tensor] | None, tuple[int, int, int],
                                                                     torch.Tensor | None]:
         """Stages 2-3 of a logical batch (the examples of ``data`` at ``index``), in physical batches: the clipped
-        sums (None if ``index`` is empty), the (examples, non-finite, clipped) counts and the finite losses."""
-        sums, examples, nonfinite, clipped, losses = None, 0, 0, 0, []
+        sums (None if ``index`` is empty), the (examples, non-finite, clipped) counts and the finite losses as
+        [sum, count] (float64, on the device: read once per step, not once per physical batch; None without
+        losses)."""
+        sums, examples, nonfinite, clipped, loss = None, 0, 0, 0, None
         for part in index.split(self.physical_batch_size or index.numel()) if index.numel() else ():
             grads = self.statistic(to_device(take(data, part), self.device))
             if grads.losses is not None:
-                losses.append(grads.losses[torch.isfinite(grads.losses)])
+                finite = torch.isfinite(grads.losses)
+                total = torch.stack([torch.where(finite, grads.losses.double(), 0.0).sum(), finite.sum().double()])
+                loss = total if loss is None else loss.add_(total)
             sums, stats = self.privatizer.clip(grads, into=sums)
             examples, nonfinite, clipped = (examples + stats.examples, nonfinite + stats.nonfinite,
                                             clipped + stats.clipped)
-        return sums, (examples, nonfinite, clipped), torch.cat(losses) if losses else None
+        return sums, (examples, nonfinite, clipped), loss
 
     def finish(self, sums: list[torch.Tensor] | None) -> None:
         """The end of a logical step: release its clipped sums (``None``: an empty batch, noise alone) once,

@@ -327,14 +327,16 @@ def by_materializing(c: Capture) -> bool:
     return isinstance(c, Outer) and not c.indexed and not c.ghost_cost(c) <= c.materialize_cost(c)
 
 
-def _outer_sq_norms(c: Outer) -> torch.Tensor:
+def _outer_sq_norms(c: Outer) -> tuple[torch.Tensor, torch.Tensor | None]:
     """By the ghost identity where it is cheaper, else from per-example gradients materialised a chunk of
     examples at a time. The ghost sum sum_ts A_ts B_ts of float32 Gram matrices carries a rounding error of
     about u * D, D = sum_t A_tt B_tt (the steps' own squared norms, u = 2^-24): small beside the norm unless
-    the steps cancel. Examples whose ghost norm is under D / ``CANCELLING`` (or negative) are recomputed from
-    their materialised gradients, so the error stays about ``CANCELLING`` * u relative."""
+    the steps cancel. Examples whose ghost norm is under D / ``CANCELLING`` (or negative) are to be recomputed
+    from their materialised gradients (``_recompute``), so the error stays about ``CANCELLING`` * u relative:
+    returns the squared norms and the mask of those examples (None on the materialised route). The mask stays
+    on the device: ``sq_norms_of`` reads the masks of all its captures at once."""
     if by_materializing(c):
-        return torch.cat([inner_dense(g, g) for g in map(c.flat, chunks(c.batch_size, 2 * c.rows * c.cols))])
+        return torch.cat([inner_dense(g, g) for g in map(c.flat, chunks(c.batch_size, 2 * c.rows * c.cols))]), None
     out, own = [], []
     for s in chunks(c.batch_size, c.factor_temporaries() + 3 * c.steps * c.steps):
         left, right = c.factors(s)
@@ -343,11 +345,14 @@ def _outer_sq_norms(c: Outer) -> torch.Tensor:
         out.append(_pairwise_dot(left_gram, gram))
         own.append((left_gram.diagonal(dim1=1, dim2=2) * gram.diagonal(dim1=1, dim2=2)).sum(1))
     sq = torch.cat(out)
-    cancelled = (sq * CANCELLING < torch.cat(own)).nonzero().squeeze(1)
-    if cancelled.numel():
-        g = c.subset(cancelled).materialize()
-        sq[cancelled] = inner_dense(g, g)
-    return sq
+    return sq, sq * CANCELLING < torch.cat(own)
+
+
+def _recompute(c: Outer, sq: torch.Tensor, cancelled: torch.Tensor) -> None:
+    """In place: the squared norms of the ``cancelled`` examples (a mask) from their materialised gradients."""
+    rows = cancelled.nonzero().squeeze(1)
+    g = c.subset(rows).materialize()
+    sq[rows] = inner_dense(g, g)
 
 
 def _pairwise_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -364,11 +369,31 @@ def inner_dense(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def sq_norms(c: Capture) -> torch.Tensor:
     """Per-example squared norms ||G[i]||^2 (float32, shape [B]): sums of squares, or the ghost identity."""
-    if isinstance(c, Outer):
-        c.check_unchanged()
-        return _outer_sq_norms(c)
-    g = c.materialize()
-    return inner_dense(g, g)
+    return sq_norms_of([c])[0]
+
+
+def sq_norms_of(captures: list[Capture]) -> list[torch.Tensor]:
+    """``sq_norms`` of each capture, with one host synchronisation in all (not one per capture): whether any
+    ghost norm cancelled is read for every capture at once, and only the captures with cancelled examples
+    (rare: two-point statistics of nearly opposite steps) are recomputed, one synchronisation each."""
+    out: list[torch.Tensor] = []
+    pending: list[tuple[Outer, torch.Tensor, torch.Tensor]] = []
+    for c in captures:
+        if isinstance(c, Outer):
+            c.check_unchanged()
+            sq, cancelled = _outer_sq_norms(c)
+            if cancelled is not None:
+                pending.append((c, sq, cancelled))
+        else:
+            g = c.materialize()
+            sq = inner_dense(g, g)
+        out.append(sq)
+    if pending:
+        any_cancelled = torch.stack([m.any() for _, _, m in pending]).tolist()  # the one synchronisation
+        for (c, sq, cancelled), recompute in zip(pending, any_cancelled):
+            if recompute:
+                _recompute(c, sq, cancelled)
+    return out
 
 
 def coalesce(terms: list[tuple[float, Outer]]) -> Outer:

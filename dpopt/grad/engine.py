@@ -29,7 +29,7 @@ from dpopt.clipping import PerExampleStatistic
 from dpopt.device import FP16_LOSS_SCALE, autocast, autocast_dtype, rng_state, set_rng_state
 from dpopt.grad.captures import (CHUNK_ELEMENTS, Capture, Dense, Outer, by_materializing, check_version, chunks, coalesce,
                                  inner_dense)
-from dpopt.grad.captures import sq_norms as capture_sq_norms
+from dpopt.grad.captures import sq_norms_of
 from dpopt.grad.fallback import loss_gradients, module_gradients
 from dpopt.grad.rules import TOKENWISE, Rule, rule_for
 
@@ -105,10 +105,9 @@ BENIGN = 16
 
 
 def _weighted_rows(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """sum_i w_i g[i] over the rows of weight != 0 (a non-finite row given weight 0 contributes exactly zero)."""
-    keep = w != 0
-    if not bool(keep.all()):
-        w, g = w[keep], g[keep]
+    """sum_i w_i g[i] over the rows of weight != 0 (a non-finite row given weight 0 contributes exactly zero):
+    the other rows are replaced by zeros on the device, so no host synchronisation is needed to find them."""
+    g = torch.where((w != 0).unsqueeze(1), g, g.new_zeros(()))
     return torch.tensordot(w.to(g.dtype), g, dims=1)
 
 
@@ -121,7 +120,9 @@ class PerExampleGradients(PerExampleStatistic):
         self.shapes = engine.shapes
         self.released = False
         self._settled = False  # one-hot captures merged (``_settle``)
-        self._benign: dict[int, bool] = {}  # combined parameters whose terms may be summed apart (``sq_norms``)
+        # combined parameters whose terms may be summed apart (``sq_norms``): a flag on the device until ``_sums``
+        # reads them all at once
+        self._benign: dict[int, bool | torch.Tensor] = {}
 
     @property
     def groups(self) -> list[int]:
@@ -180,19 +181,23 @@ class PerExampleGradients(PerExampleStatistic):
         ``skip`` are left zero."""
         self._check_alive()
         self._settle()
+        wanted = [j for j, ts in enumerate(self.terms) if j not in skip and ts]
+        captures = [t for j in wanted for _, t in self.terms[j]]
+        norms = iter(sq_norms_of(captures))  # the captures' norms, one host synchronisation for all of them
+        of = {j: [next(norms) for _ in self.terms[j]] for j in wanted}
         cols = []
         for j, (p, ts) in enumerate(zip(self.engine.params, self.terms)):
-            if j in skip or not ts:
+            if j not in of:
                 cols.append(torch.zeros(self.batch_size, device=p.device, dtype=torch.float32))
             elif self._combined(j):
                 flats = (self._flat(j, s) for s in self._chunks(j))
                 sq = torch.cat([inner_dense(g, g) for g in flats])
-                size = sum(abs(c) * capture_sq_norms(t).sqrt() for c, t in ts) ** 2
-                self._benign[j] = bool((size <= BENIGN * sq).all())
+                size = sum(abs(c) * n.sqrt() for (c, _), n in zip(ts, of[j])) ** 2
+                self._benign[j] = (size <= BENIGN * sq).all()  # read in ``_sums``, with the others
                 cols.append(sq)
             else:
-                c, t = ts[0]
-                cols.append(c * c * capture_sq_norms(t))
+                c, _ = ts[0]
+                cols.append(c * c * of[j][0])
         return torch.stack(cols, 1)
 
     def weighted_sum(self, weights: torch.Tensor, release: bool = False,
@@ -280,10 +285,16 @@ class PerExampleGradients(PerExampleStatistic):
               into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """``weighted_sum`` for the parameters in ``params`` (last to first), added to ``into`` if given; the
         others' entries are empty."""
+        params = sorted(params, reverse=True)
         keep = (weights != 0).any(1)
-        rows = None if bool(keep.all()) else keep.nonzero().squeeze(1)
+        # one host synchronisation for the whole sum: whether rows are dropped, and which combined parameters
+        # are benign (their flags, set by ``sq_norms``, are read here all at once)
+        flagged = [j for j in params if isinstance(self._benign.get(j), torch.Tensor)]
+        everyone, *benign = torch.stack([keep.all(), *(self._benign[j] for j in flagged)]).tolist()
+        self._benign.update(zip(flagged, benign))
+        rows = None if everyone else keep.nonzero().squeeze(1)
         sums: list[torch.Tensor] = [torch.empty(0)] * len(self.terms)
-        for j in sorted(params, reverse=True):
+        for j in params:
             p, shape, ts = self.engine.params[j], self.shapes[j], self.terms[j]
             dtype = self._sum_dtype(j)
             w = weights[:, j] if rows is None else weights[rows, j]

@@ -78,8 +78,8 @@ class SecretStream:
         generator keyed by (step, i, j): the values depend on nothing else (not on the thread count), the
         chunks are drawn in parallel on CPU, and no model-sized temporary is ever allocated."""
         if self.secure:  # float64 noise added in float64, then rounded once (floating-point attacks: docs/design.md)
-            for t in tensors:
-                t.add_(_os_normal(t.numel()).view(t.shape).to(t.device), alpha=std)
+            for t in tensors:  # non_blocking: the host copy is staged at once; no wait for the device per tensor
+                t.add_(_os_normal(t.numel()).view(t.shape).to(t.device, non_blocking=True), alpha=std)
             return tensors
         jobs = [(i, j, t.view(-1)[a:a + NOISE_CHUNK]) for i, t in enumerate(tensors)
                 for j, a in enumerate(range(0, t.numel(), NOISE_CHUNK))]
