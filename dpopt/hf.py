@@ -30,12 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Sampler, Subset
 from transformers import Trainer
-from transformers.trainer_utils import get_last_checkpoint
 
 from dpopt.algorithms import Hyperparameters
 from dpopt.algorithms.base import DPOptimizer
 from dpopt.grad.engine import batch_size_of
-from dpopt.loop import make_private
+from dpopt.loop import load_private_state, make_private, private_state
 from dpopt.noise.rng import secret_key
 from dpopt.privacy import PrivacyLedger
 
@@ -137,13 +136,10 @@ class _PrivateUpdate(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer, the ledger and the secret key: a Trainer checkpoint resumes exactly, and is private."""
-        return {"dpopt": self.dp.state_dict(), "ledger": self.dp.privatizer.ledger.to_dict(), "secret_key": self.key}
+        return private_state(self.dp, self.key)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["secret_key"] != self.key:
-            raise ValueError("this checkpoint belongs to another run (its secret key differs)")
-        self.dp.load_state_dict(state["dpopt"])
-        self.dp.privatizer.ledger.entries = PrivacyLedger.from_dict(state["ledger"]).entries
+        self.key = load_private_state(self.dp, state)
 
 
 class PrivateTrainer(Trainer):
@@ -167,7 +163,6 @@ class PrivateTrainer(Trainer):
         self.privacy, self.per_example_loss = privacy, per_example_loss
         self._given = self.optimizer, self.lr_scheduler  # Trainer(optimizers=...), or (None, None)
         self.dp: DPOptimizer | None = None
-        self._resume: str | None = None
 
     @property
     def ledger(self) -> PrivacyLedger:
@@ -180,14 +175,9 @@ class PrivateTrainer(Trainer):
         return self.ledger.epsilon(self.privacy.delta)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"no checkpoint to resume from in {self.args.output_dir}")
         if self.dp is not None and not resume_from_checkpoint:
             raise RuntimeError("a PrivateTrainer trains once (a second train() would start a new ledger); resume "
                                "from a checkpoint to go on")
-        self._resume = resume_from_checkpoint or None
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def get_train_dataloader(self) -> DataLoader:
@@ -207,9 +197,7 @@ class PrivateTrainer(Trainer):
                           collate_fn=collate)
 
     def _make_private(self, dataset: Any, collate: Callable[[list], Any]) -> None:
-        key = secret_key(self.privacy.secret_seed)
-        if self._resume:
-            key = torch.load(os.path.join(self._resume, "optimizer.pt"), weights_only=True)["secret_key"]
+        key = secret_key(self.privacy.secret_seed)  # a resumed run loads its own with the optimizer's state
         self.optimizer, self.lr_scheduler = self._given  # a resumed train() builds afresh, then loads the state
         algorithm = self.privacy.algorithm or super().create_optimizer()
         p = self.privacy

@@ -47,7 +47,7 @@ from dpopt.device import to_device
 from dpopt.grad.engine import Closure, LossFn, PerExampleEngine
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.rng import SecretStream, secret_key
-from dpopt.privacy import PrivacyLedger, noise_multiplier_for
+from dpopt.privacy import PrivacyLedger, noise_multiplier_for, privacy_statement
 
 
 class PrivateOptimizer:
@@ -55,8 +55,8 @@ class PrivateOptimizer:
     or ``step(closure)``. The gradients autograd leaves in ``.grad`` are not private and are discarded; the
     update uses the release."""
 
-    def __init__(self, dp: DPOptimizer, mean: bool) -> None:
-        self.dp, self.mean = dp, mean
+    def __init__(self, dp: DPOptimizer, mean: bool, key: int | bytes) -> None:
+        self.dp, self.mean, self.key = dp, mean, key
         self.needs_closure = dp._statistic is not None  # the recipe evaluates the loss itself, several times
         self._size: int | None = None  # the physical batch handed out and not stepped yet
         self._recording: Any = None
@@ -115,10 +115,41 @@ class PrivateOptimizer:
         return losses
 
     def state_dict(self) -> dict[str, Any]:
-        return self.dp.state_dict()
+        """The optimizer, the ledger and the secret key (``private_state``): save it with the model's
+        ``state_dict`` and keep the file private."""
+        if self._sums is not None:
+            raise RuntimeError("save between logical steps (after the step() that ends one): this one has clipped "
+                               "sums not yet released")
+        return private_state(self.dp, self.key)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.dp.load_state_dict(state)
+        """Resume from ``state_dict()``, in a fresh ``make_private`` before its first step: the run goes on with
+        its own key (the same batches and noise as uninterrupted) and its ledger."""
+        self.key = load_private_state(self.dp, state)
+
+    def statement(self, delta: float) -> str:
+        """The privacy statement of the releases so far, at ``delta``."""
+        return privacy_statement(self.ledger, delta, self.dp.privatizer.sampler.dataset_size,
+                                 randomness="secret-seed" if isinstance(self.key, int) else "os-entropy-key")
+
+
+def private_state(dp: DPOptimizer, key: int | bytes) -> dict[str, Any]:
+    """What resuming a run needs: the optimizer's state, the ledger and the secret key (so it is private)."""
+    return {"dpopt": dp.state_dict(), "ledger": dp.privatizer.ledger.to_dict(), "secret_key": key}
+
+
+def load_private_state(dp: DPOptimizer, state: dict[str, Any]) -> int | bytes:
+    """Restore ``private_state`` into ``dp`` before its first release: its sampler and noise take the saved key,
+    its ledger the saved releases. Refused after a release, whose account the saved ledger would drop."""
+    if dp.steps or dp.privatizer.ledger.entries:
+        raise RuntimeError("load a checkpoint into a fresh make_private, before its first step: the releases made "
+                           "since would be missing from the restored ledger")
+    key = state["secret_key"]
+    dp.privatizer.sampler.stream = SecretStream(key, "sampling")
+    dp.privatizer.noise.stream = SecretStream(key, "noise")
+    dp.load_state_dict(state["dpopt"])
+    dp.privatizer.ledger.entries = PrivacyLedger.from_dict(state["ledger"]).entries
+    return key
 
 
 class PrivateBatches:
@@ -131,7 +162,7 @@ class PrivateBatches:
         return self.dp.privatizer.sampler.steps_per_epoch
 
     def __iter__(self) -> Iterator[Any]:
-        for _ in range(len(self)):
+        for _ in range(len(self) - self.dp.steps % len(self)):  # a resumed epoch: its remaining steps
             index = self.dp.privatizer.batch(self.dp.steps)
             if not index.numel():
                 self.dp.finish(None)  # an empty logical batch is released too: noise alone
@@ -196,7 +227,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | str, data:
     dp.physical_batch_size = physical_batch_size
     if not dp.verified:  # as DPOptimizer.step: not for a statistic that is no per-example gradient (zeroth-order)
         dp.verify(data)
-    private = PrivateOptimizer(dp, loss_reduction == "mean")
+    private = PrivateOptimizer(dp, loss_reduction == "mean", key)
     return model, private, PrivateBatches(dp, data, private)
 
 

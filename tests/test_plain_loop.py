@@ -136,3 +136,41 @@ def test_every_layer_rule_and_the_fallback_record_the_callers_backward():
     dp_optimizer.dp.step(reference_batches.data)
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.allclose(p, q, rtol=0, atol=1e-12)
+
+
+def test_saving_and_resuming_take_two_lines_and_go_on_exactly(tmp_path):
+    x, y = torch.randn(200, 6, dtype=torch.float64), torch.randint(0, 3, (200,))
+    loss = lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none")  # noqa: E731
+
+    def fresh():  # the default key: OS entropy
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+        return make_private(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5), (x, y), loss,
+                            batch_size=40, noise_multiplier=0.5, clip=0.1, physical_batch_size=16)
+
+    def train(model, optimizer, batches, save_at=None):
+        for _ in range(optimizer.dp.steps // len(batches), 2):
+            for batch in batches:
+                optimizer.zero_grad()
+                loss(model, batch).mean().backward()
+                optimizer.step()
+                if optimizer._sums is not None:  # between two physical batches of one logical step: refused
+                    with pytest.raises(RuntimeError, match="between logical steps"):
+                        optimizer.state_dict()
+                elif optimizer.dp.steps == save_at and not (tmp_path / "ckpt.pt").exists():
+                    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "ckpt.pt")
+
+    model, optimizer, batches = fresh()
+    train(model, optimizer, batches, save_at=7)  # saved in the second epoch, then on to the end
+    resumed, optimizer2, batches2 = fresh()
+    checkpoint = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    resumed.load_state_dict(checkpoint["model"])
+    optimizer2.load_state_dict(checkpoint["optimizer"])  # the run's own key and ledger
+    assert optimizer2.dp.steps == 7 and isinstance(checkpoint["optimizer"]["secret_key"], bytes)
+    train(resumed, optimizer2, batches2)
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+    assert optimizer2.ledger.to_dict() == optimizer.ledger.to_dict() and optimizer2.dp.steps == 10
+    assert "epsilon" in optimizer2.statement(1e-5) and "OS entropy" in optimizer2.statement(1e-5)
+    with pytest.raises(RuntimeError, match="before its first step"):
+        optimizer.load_state_dict(checkpoint["optimizer"])
