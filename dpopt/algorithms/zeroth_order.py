@@ -84,18 +84,18 @@ def _scalar_step(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperpara
                        statistic=statistic, shapes=SCALAR, verify=False)
 
 
-@register("dpzero")
+@register("dpzero", defaults={"lr": 0.2})
 def dpzero(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
     return _scalar_step(engine, privatizer, hp)
 
 
-@register("mezo", private=False)
+@register("mezo", private=False, defaults={"lr": 0.01})
 def mezo(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
     plain = NonPrivate(privatizer.clipping, privatizer.noise, privatizer.sampler, privatizer.ledger)
     return _scalar_step(engine, plain, hp)
 
 
-@register("dpgd-0th")
+@register("dpgd-0th", defaults={"lr": 0.1})
 def dpgd_0th(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
     direction = _direction(engine, hp)
 
