@@ -10,7 +10,8 @@ from dpopt.noise.gaussian import GaussianNoise
 from dpopt.privacy import PoissonSampling
 
 
-def no_clipping(self: Clipping, sq_norms: torch.Tensor, groups: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def no_clipping(self: Clipping, sq_norms: torch.Tensor, groups: list[int],
+                check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ones_like(sq_norms), torch.isfinite(sq_norms.sum(1))
 
 
