@@ -33,6 +33,7 @@ from transformers import Trainer
 
 from dpopt.algorithms import Hyperparameters
 from dpopt.algorithms.base import DPOptimizer
+from dpopt.checkpoint import write_atomic
 from dpopt.grad.engine import batch_size_of
 from dpopt.loop import load_private_state, make_private, private_state
 from dpopt.noise.rng import secret_key
@@ -88,18 +89,19 @@ def _losses(model: nn.Module, out: Any, labels: torch.Tensor) -> torch.Tensor:
 
 class _LogicalBatches(Sampler[list[int]]):
     """The indices of each logical step's Poisson batch, drawn by the privatizer (secret), one epoch per pass.
-    Steps are numbered from the optimizer's count when a pass starts, so a resumed run draws the same batches."""
+    Steps are numbered from the optimizer's count when a pass starts, so a resumed run draws the same batches.
+    It reads the trainer's current private step, which a resumed ``train()`` rebuilds."""
 
-    def __init__(self, trainer: "PrivateTrainer", steps_per_epoch: int) -> None:
-        self.trainer, self.steps_per_epoch = trainer, steps_per_epoch
+    def __init__(self, trainer: "PrivateTrainer") -> None:
+        self.trainer = trainer
 
     def __len__(self) -> int:
-        return self.steps_per_epoch
+        return self.trainer.dp.privatizer.sampler.steps_per_epoch
 
     def __iter__(self):
-        dp = self.trainer.dp
-        first = dp.steps - dp.steps % self.steps_per_epoch  # the epoch's first step (a resumed epoch is skipped into)
-        for step in range(first, first + self.steps_per_epoch):
+        dp, per_epoch = self.trainer.dp, len(self)
+        first = dp.steps - dp.steps % per_epoch  # the epoch's first step (a resumed epoch is skipped into)
+        for step in range(first, first + per_epoch):
             yield dp.privatizer.batch(step).tolist()
 
 
@@ -192,9 +194,7 @@ class PrivateTrainer(Trainer):
             collate = self._get_collator_with_removed_columns(collate, description="training")
         collate = lambda examples, collate=collate: dict(collate(examples)) if examples else {}  # noqa: E731
         self._make_private(dataset, collate)  # dict(): a tokenizer's BatchEncoding is no pytree of tensors
-        steps_per_epoch = self.dp.privatizer.sampler.steps_per_epoch
-        return DataLoader(dataset, batch_sampler=_LogicalBatches(self, steps_per_epoch),
-                          collate_fn=collate)
+        return DataLoader(dataset, batch_sampler=_LogicalBatches(self), collate_fn=collate)
 
     def _make_private(self, dataset: Any, collate: Callable[[list], Any]) -> None:
         key = secret_key(self.privacy.secret_seed)  # a resumed run loads its own with the optimizer's state
@@ -203,8 +203,9 @@ class PrivateTrainer(Trainer):
         p = self.privacy
         _, private, _ = make_private(
             self.model, algorithm, Subset(dataset, range(len(dataset))), self.per_example_loss,  # a list too
-            batch_size=p.batch_size, epochs=self.args.num_train_epochs, steps=self.args.max_steps if self.args.max_steps > 0 else None,
-            epsilon=p.epsilon, noise_multiplier=p.noise_multiplier, delta=p.delta, clip=p.clip, clipping=p.clipping,
+            batch_size=p.batch_size, epochs=self.args.num_train_epochs,
+            steps=self.args.max_steps if self.args.max_steps > 0 else None, epsilon=p.epsilon,
+            noise_multiplier=p.noise_multiplier, delta=p.delta, clip=p.clip, clipping=p.clipping,
             physical_batch_size=self.args.per_device_train_batch_size, accountant=p.accountant, secret_seed=key,
             hp=self._recipe_hyperparameters(), collate_fn=collate)
         self.dp = private.dp
@@ -261,5 +262,5 @@ class PrivateTrainer(Trainer):
         privacy = {"epsilon": self.epsilon(), "delta": self.privacy.delta, "steps": self.dp.steps,
                    "privacy_arguments": {k: v for k, v in asdict(self.privacy).items() if k != "secret_seed"},
                    "ledger": self.ledger.to_dict()}
-        with open(os.path.join(output_dir, "privacy.json"), "w") as f:
-            json.dump(privacy, f, indent=2)
+        text = json.dumps(privacy, indent=2).encode()
+        write_atomic(os.path.join(output_dir, "privacy.json"), lambda f: f.write(text))

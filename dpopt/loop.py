@@ -217,8 +217,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | str, data:
     if noise_multiplier is None:
         steps = math.ceil(epochs * sampler.steps_per_epoch) if steps is None else steps
         noise_multiplier = noise_multiplier_for(epsilon, delta, sampler.participation, steps, accountant)
-    privatizer = Privatizer(Clipping(clip, clipping), GaussianNoise(noise_multiplier, clip, SecretStream(key, "noise")), sampler,
-                            ledger)
+    privatizer = Privatizer(Clipping(clip, clipping), GaussianNoise(noise_multiplier, clip, SecretStream(key, "noise")),
+                            sampler, ledger)
     if isinstance(optimizer, str):
         dp = build_algorithm(optimizer, engine, privatizer, hp or Hyperparameters.for_algorithm(optimizer))
     else:

@@ -186,8 +186,9 @@ def _hf_model(folder: str, data: Dataset) -> nn.Module:
 
 def build_model(name: str, data: Dataset) -> nn.Module:
     check_model(name)
-    if hf_folder(name) is not None:
-        return _hf_model(hf_folder(name), data)
+    folder = hf_folder(name)
+    if folder is not None:
+        return _hf_model(folder, data)
     if ":" in name:
         model = _user_builder(name)(data)
         if not isinstance(model, nn.Module):

@@ -84,8 +84,8 @@ def summarize(out: Path) -> str:
         acc = [100 * r["test_accuracy"] for r in mine]
         sd = f" ± {statistics.stdev(acc):.1f}" if len(acc) > 1 else ""
         trained = "LoRA r 16 (query, value), head" if method.startswith("trainer-lora") else trainable or "all"
-        lines.append(f"| {model} | {method} | {trained} | {mine[0]['lr']:g} | {mine[0]['epsilon']:g} | {statistics.mean(acc):.1f}{sd} "
-                     f"| {len(acc)} | {statistics.mean(r['cpu_s'] for r in mine):.0f} |")
+        lines.append(f"| {model} | {method} | {trained} | {mine[0]['lr']:g} | {mine[0]['epsilon']:g} | "
+                     f"{statistics.mean(acc):.1f}{sd} | {len(acc)} | {statistics.mean(r['cpu_s'] for r in mine):.0f} |")
     table = "\n".join(lines) + "\n"
     (out / "table.md").write_text(table)
     return table
@@ -111,17 +111,19 @@ def main(argv: list[str]) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "results.jsonl"
-    done = {(r["method"], r.get("model", "minilm"), r["seed"], r.get("trainable")) for r in map(json.loads, log.read_text().splitlines())} if log.exists() else set()
+    rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    done = {(r["method"], r.get("model", "minilm"), r["seed"], r.get("trainable")) for r in rows}
     for seed in [] if a.summarize else a.seeds:
         for method in a.methods:
-            if (method, a.model, seed, None if method.startswith("trainer-lora") else a.trainable) in done:
+            trainable = None if method.startswith("trainer-lora") else a.trainable  # LoRA trains its adapters
+            if (method, a.model, seed, trainable) in done:
                 continue
             lr = a.lr if method in ("train", "trainer") else a.lr_lora
             start = time.process_time()
             acc = run_train(a, seed, lr) if method == "train" else run_trainer(a, method, seed, lr, out)
             row = {"method": method, "model": a.model, "seed": seed, "lr": lr, "epsilon": EPSILON, "epochs": a.epochs,
                    "batch_size": a.batch_size, "clip": a.clip,
-                   "trainable": None if method.startswith("trainer-lora") else a.trainable,
+                   "trainable": trainable,
                    "test_accuracy": acc, "cpu_s": time.process_time() - start}
             with log.open("a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -29,6 +29,15 @@ def run_loop(model, optimizer, batches, loss, epochs=2):
             optimizer.step()
 
 
+def assert_same_run(model, optimizer, reference, reference_optimizer, steps):
+    """The loop's run released what DPOptimizer.step released: parameters, steps, ledger and epsilon."""
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p, q, rtol=0, atol=1e-12)
+    assert optimizer.dp.steps == reference_optimizer.dp.steps == steps
+    assert optimizer.ledger.to_dict() == reference_optimizer.ledger.to_dict()
+    assert optimizer.epsilon(1e-5) == reference_optimizer.epsilon(1e-5)
+
+
 @pytest.mark.parametrize("physical", [16, None])
 def test_the_plain_loop_equals_dpoptimizer_step(physical):
     (model, optimizer, batches), loss = setup(physical)
@@ -36,11 +45,7 @@ def test_the_plain_loop_equals_dpoptimizer_step(physical):
     (reference, dp_optimizer, reference_batches), _ = setup(physical)
     for _ in range(2 * len(reference_batches)):
         dp_optimizer.dp.step(reference_batches.data)
-    for p, q in zip(model.parameters(), reference.parameters()):
-        assert torch.allclose(p, q, rtol=0, atol=1e-12)
-    assert optimizer.dp.steps == dp_optimizer.dp.steps == 10
-    assert optimizer.ledger.to_dict() == dp_optimizer.ledger.to_dict()
-    assert optimizer.epsilon(1e-5) == dp_optimizer.epsilon(1e-5)
+    assert_same_run(model, optimizer, reference, dp_optimizer, steps=10)
 
 
 def test_a_map_style_dataset_and_a_recipe_name_train_the_same_way():
@@ -93,11 +98,7 @@ def test_a_closure_loop_equals_dpoptimizer_step(recipe):
     for _ in range(len(reference_batches)):
         dp_optimizer.dp.step(reference_batches.data)
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), start))
-    for p, q in zip(model.parameters(), reference.parameters()):
-        assert torch.allclose(p, q, rtol=0, atol=1e-12)
-    assert optimizer.dp.steps == dp_optimizer.dp.steps == 5
-    assert optimizer.ledger.to_dict() == dp_optimizer.ledger.to_dict()
-    assert optimizer.epsilon(1e-5) == dp_optimizer.epsilon(1e-5)
+    assert_same_run(model, optimizer, reference, dp_optimizer, steps=5)
 
 
 def test_a_recipe_that_evaluates_several_points_needs_a_closure():
