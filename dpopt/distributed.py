@@ -25,6 +25,7 @@ each other's shares). Mutually distrusting parties are the federated setting, no
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -145,5 +146,11 @@ def _worker(rank: int, world_size: int, store: Path, work: Callable[..., Any], a
     parallel = DataParallel()
     try:
         work(parallel, *args)
+        dist.barrier()  # no rank leaves the group while another still uses it
     finally:
         parallel.close()
+    # A finished worker skips interpreter teardown: gloo's threads can abort the process there (SIGABRT,
+    # "terminate called without an active exception", seen once in CI).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
