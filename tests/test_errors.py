@@ -18,6 +18,7 @@ from dpopt.data.datasets import Dataset, load_dataset
 from dpopt.data.samplers import PoissonSampler
 from dpopt.grad.engine import ExampleMixingError, PerExampleEngine, batch_size_of
 from dpopt.noise.gaussian import GaussianNoise
+from dpopt.noise.mechanisms import MAX_DENSE_STEPS, build_noise
 from dpopt.noise.rng import SecretStream
 from dpopt.privacy import PoissonSampling, PrivacyLedger, Relation, noise_multiplier_for
 from dpopt.train import TrainConfig, resume, train
@@ -83,6 +84,13 @@ def test_checkpoint_every_and_nproc(capsys):
         main(["train", "--nproc", "0"])
     assert "must be an integer >= 1" in capsys.readouterr().err
 
+
+def test_dense_mf_noise_beyond_its_reach_is_refused_before_training(capsys):
+    with pytest.raises(ValueError, match="dense mf noise over 2049 steps is out of reach"):
+        build_noise("mf", 1.0, 1.0, SecretStream(0, "noise"), MAX_DENSE_STEPS + 1, 100)
+    with pytest.raises(SystemExit) as e:  # digits, batch 1, 2 epochs: 2874 steps, refused before the first one
+        main(["train", "--algorithm", "dp-memf", "--batch-size", "1", "--epochs", "2", "--no-progress"])
+    assert e.value.code == 2 and "use --noise banded or tree" in capsys.readouterr().err
 
 def test_nonfinite_examples_in_a_run_are_zeroed_counted_and_warned(monkeypatch):
     """NaN inputs among the first examples (where the probe and the engine's self-check look too)."""

@@ -23,6 +23,9 @@ from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.rng import SecretStream
 
 NOISES = ("gaussian", "tree", "sqrt", "banded", "mf")
+# The dense optimiser is O(T³) per L-BFGS iteration (≈ 1.1 s at T = 2000 on one CPU core, docs/correlated_noise.md;
+# about 2 min at T = 10,000) and the dense mechanism keeps one model-sized row per past step.
+MAX_DENSE_STEPS = 2048
 
 
 def workload_name(momentum: float, decay: float) -> str:
@@ -63,6 +66,10 @@ def build_noise(kind: str, noise_multiplier: float, clip: float, stream: SecretS
         raise ValueError(f"unknown noise {kind!r}; choose one of {', '.join(NOISES)}")
     if bands < 0:
         raise ValueError(f"bands must be >= 0 (0: the default for the mechanism), got {bands}")
+    if kind == "mf" and horizon > MAX_DENSE_STEPS:
+        raise ValueError(f"dense mf noise over {horizon} steps is out of reach (its optimiser costs O(T³) per iteration "
+                         f"and it keeps a model-sized row per step; at most {MAX_DENSE_STEPS} steps): use --noise banded "
+                         "or tree, or fewer steps (--epochs, a larger --batch-size)")
     if kind == "gaussian":
         return GaussianNoise(noise_multiplier, clip, stream)
     if kind == "tree":
