@@ -42,7 +42,7 @@ from dpopt.grad.engine import MODES, STRATEGIES, PerExampleEngine, check_per_exa
 from dpopt.models import build_model, check_model, hf_folder
 from dpopt.noise.correlated import CorrelatedNoise
 from dpopt.noise.gaussian import GaussianNoise
-from dpopt.noise.mechanisms import NOISES, build_noise
+from dpopt.noise.mechanisms import MAX_DENSE_STEPS, NOISES, build_noise
 from dpopt.noise.rng import SecretStream, derive_seed, secret_key
 from dpopt.privacy import (PoissonSampling, PrivacyLedger, Relation, advanced_composition_noise, check_budget,
                            noise_multiplier_for)
@@ -283,6 +283,8 @@ def build_run_noise(config: TrainConfig, sampler: Sampler, total: int, clip: flo
         return GaussianNoise(0.0, clip, stream)
     kind, hp = config.noise_kind, config.hp
     true = hp.workload == "true"
+    if kind == "banded" and total > 1024 or kind == "mf" and 1024 < total <= MAX_DENSE_STEPS:
+        log(f"optimising the {kind} factorization for {total} steps (once, before training; minutes at this size)")
     noise = build_noise(kind, 0.0, clip, stream, total, sampler.steps_per_epoch, hp.tree_decoder, hp.bands,
                         hp.momentum if true else 0.0,
                         hp.decay if true and config.algorithm in DECAYED_WORKLOAD else 0.0)

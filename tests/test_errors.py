@@ -90,7 +90,7 @@ def test_dense_mf_noise_beyond_its_reach_is_refused_before_training(capsys):
         build_noise("mf", 1.0, 1.0, SecretStream(0, "noise"), MAX_DENSE_STEPS + 1, 100)
     with pytest.raises(SystemExit) as e:  # digits, batch 1, 2 epochs: 2874 steps, refused before the first one
         main(["train", "--algorithm", "dp-memf", "--batch-size", "1", "--epochs", "2", "--no-progress"])
-    assert e.value.code == 2 and "use --noise banded or tree" in capsys.readouterr().err
+    assert e.value.code == 2 and "use --noise tree, or banded" in capsys.readouterr().err
 
 def test_nonfinite_examples_in_a_run_are_zeroed_counted_and_warned(monkeypatch):
     """NaN inputs among the first examples (where the probe and the engine's self-check look too)."""

@@ -68,8 +68,8 @@ def build_noise(kind: str, noise_multiplier: float, clip: float, stream: SecretS
         raise ValueError(f"bands must be >= 0 (0: the default for the mechanism), got {bands}")
     if kind == "mf" and horizon > MAX_DENSE_STEPS:
         raise ValueError(f"dense mf noise over {horizon} steps is out of reach (its optimiser costs O(T³) per iteration "
-                         f"and it keeps a model-sized row per step; at most {MAX_DENSE_STEPS} steps): use --noise banded "
-                         "or tree, or fewer steps (--epochs, a larger --batch-size)")
+                         f"and it keeps a model-sized row per step; at most {MAX_DENSE_STEPS} steps): use --noise tree, "
+                         "or banded (minutes to optimise at this size), or fewer steps (--epochs, a larger --batch-size)")
     if kind == "gaussian":
         return GaussianNoise(noise_multiplier, clip, stream)
     if kind == "tree":
