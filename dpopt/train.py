@@ -273,6 +273,14 @@ def freeze_all_but(model: nn.Module, pattern: str) -> str:
            f"{sum(p.numel() for p in model.parameters()):,} numbers) matching {pattern!r}"
 
 
+def run_noise_kind(config: TrainConfig, steps: int) -> str:
+    """The noise mechanism of a run of ``steps`` steps: ``config.noise_kind``, except that a recipe's default
+    dense ``mf`` (``--noise auto``) gives way to ``banded`` beyond ``MAX_DENSE_STEPS`` steps, where the dense
+    optimiser is out of reach (an explicit ``--noise mf`` is refused there instead)."""
+    kind = config.noise_kind
+    return "banded" if config.noise == "auto" and kind == "mf" and steps > MAX_DENSE_STEPS else kind
+
+
 def build_run_noise(config: TrainConfig, sampler: Sampler, total: int, clip: float, stream: SecretStream,
                     log: Callable[[str], None] = print) -> GaussianNoise | CorrelatedNoise:
     """The run's noise mechanism (``config.noise_kind``), calibrated to ``config.epsilon`` if given. Correlated
@@ -281,8 +289,11 @@ def build_run_noise(config: TrainConfig, sampler: Sampler, total: int, clip: flo
     if config.algorithm in NON_PRIVATE:
         log(f"{config.algorithm} is NOT differentially private: it releases un-noised statistics (epsilon = inf)")
         return GaussianNoise(0.0, clip, stream)
-    kind, hp = config.noise_kind, config.hp
+    kind, hp = run_noise_kind(config, total), config.hp
     true = hp.workload == "true"
+    if kind != config.noise_kind:
+        log(f"{config.noise_kind} noise (the recipe's default) is out of reach over {total} steps (at most "
+            f"{MAX_DENSE_STEPS}): using {kind} noise (BandMF) instead; --noise tree is faster to set up")
     if kind == "banded" and total > 1024 or kind == "mf" and 1024 < total <= MAX_DENSE_STEPS:
         log(f"optimising the {kind} factorization for {total} steps (once, before training; minutes at this size)")
     noise = build_noise(kind, 0.0, clip, stream, total, sampler.steps_per_epoch, hp.tree_decoder, hp.bands,
@@ -485,7 +496,7 @@ def _metrics(run: Run, history: list[dict[str, Any]], nonfinite: int, wall: floa
     config = run.config
     metrics = {
         "algorithm": config.algorithm, "dataset": config.dataset, "model": config.model,
-        "noise": config.noise_kind, "sampling": config.sampling_kind,
+        "noise": run_noise_kind(config, run.total_steps), "sampling": config.sampling_kind,
         "test_accuracy": history[-1]["test_accuracy"], "epsilon": run.ledger.epsilon(config.delta),
         "delta": config.delta, "steps": run.optimizer.steps, "epochs": config.epochs,
         "noise_multiplier": run.optimizer.privatizer.noise.noise_multiplier,

@@ -1,5 +1,6 @@
 """Bad input gets a clear error: the rows of docs/errors.md that no other test file covers."""
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -21,7 +22,7 @@ from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.mechanisms import MAX_DENSE_STEPS, build_noise
 from dpopt.noise.rng import SecretStream
 from dpopt.privacy import PoissonSampling, PrivacyLedger, Relation, noise_multiplier_for
-from dpopt.train import TrainConfig, resume, train
+from dpopt.train import TrainConfig, resume, run_noise_kind, train
 
 
 def quiet(_):
@@ -89,8 +90,12 @@ def test_dense_mf_noise_beyond_its_reach_is_refused_before_training(capsys):
     with pytest.raises(ValueError, match="dense mf noise over 2049 steps is out of reach"):
         build_noise("mf", 1.0, 1.0, SecretStream(0, "noise"), MAX_DENSE_STEPS + 1, 100)
     with pytest.raises(SystemExit) as e:  # digits, batch 1, 2 epochs: 2874 steps, refused before the first one
-        main(["train", "--algorithm", "dp-memf", "--batch-size", "1", "--epochs", "2", "--no-progress"])
+        main(["train", "--algorithm", "dp-memf", "--noise", "mf", "--batch-size", "1", "--epochs", "2", "--no-progress"])
     assert e.value.code == 2 and "use --noise tree, or banded" in capsys.readouterr().err
+    # by default (--noise auto) the recipe's dense mf gives way to banded noise there
+    config = TrainConfig(algorithm="dp-memf", epsilon=1.0)
+    assert run_noise_kind(config, MAX_DENSE_STEPS) == "mf" and run_noise_kind(config, MAX_DENSE_STEPS + 1) == "banded"
+    assert run_noise_kind(dataclasses.replace(config, noise="mf"), MAX_DENSE_STEPS + 1) == "mf"
 
 def test_nonfinite_examples_in_a_run_are_zeroed_counted_and_warned(monkeypatch):
     """NaN inputs among the first examples (where the probe and the engine's self-check look too)."""
