@@ -97,6 +97,7 @@ def test_dense_mf_noise_beyond_its_reach_is_refused_before_training(capsys):
     assert run_noise_kind(config, MAX_DENSE_STEPS) == "mf" and run_noise_kind(config, MAX_DENSE_STEPS + 1) == "banded"
     assert run_noise_kind(dataclasses.replace(config, noise="mf"), MAX_DENSE_STEPS + 1) == "mf"
 
+
 def test_nonfinite_examples_in_a_run_are_zeroed_counted_and_warned(monkeypatch):
     """NaN inputs among the first examples (where the probe and the engine's self-check look too)."""
     digits = load_dataset("digits")
