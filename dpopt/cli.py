@@ -14,7 +14,7 @@ import textwrap
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
-from dpopt.algorithms import ALGORITHMS, DEFAULTS, NON_PRIVATE, Hyperparameters
+from dpopt.algorithms import ALGORITHMS, DEFAULTS, LR_TIMES_STEPS, NON_PRIVATE, Hyperparameters
 from dpopt.checkpoint import CHECKPOINT, CheckpointError, check_writable, claim_run_folder, load_checkpoint
 from dpopt.clipping import CLIP_MODES
 from dpopt.data.datasets import DATASETS, DatasetNotFound, check_dataset
@@ -87,7 +87,8 @@ def _defaults_text(name: str, default: Any) -> str:
     own: dict[Any, list[str]] = {}
     for algorithm, values in sorted(DEFAULTS.items()):
         if name in values:
-            own.setdefault(values[name], []).append(algorithm)
+            value = f"{LR_TIMES_STEPS[algorithm]:g}/steps" if values[name] is None else values[name]
+            own.setdefault(value, []).append(algorithm)
     shown = lambda v: " ".join(map(str, v)) if isinstance(v, tuple) else str(v)  # noqa: E731
     return "; ".join([f"default: {shown(default)}", *(f"{shown(v)} for {', '.join(a)}" for v, a in own.items())])
 

@@ -214,13 +214,14 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | str, data:
     key = secret_key(secret_seed)
     sampler = PoissonSampler.with_batch_size(n, batch_size, SecretStream(key, "sampling"))
     ledger = PrivacyLedger(accountant=accountant)
+    steps = math.ceil(epochs * sampler.steps_per_epoch) if steps is None else steps
     if noise_multiplier is None:
-        steps = math.ceil(epochs * sampler.steps_per_epoch) if steps is None else steps
         noise_multiplier = noise_multiplier_for(epsilon, delta, sampler.participation, steps, accountant)
     privatizer = Privatizer(Clipping(clip, clipping), GaussianNoise(noise_multiplier, clip, SecretStream(key, "noise")),
                             sampler, ledger)
     if isinstance(optimizer, str):
-        dp = build_algorithm(optimizer, engine, privatizer, hp or Hyperparameters.for_algorithm(optimizer))
+        hp = (hp or Hyperparameters.for_algorithm(optimizer)).for_run(optimizer, steps)
+        dp = build_algorithm(optimizer, engine, privatizer, hp)
     else:
         _check_optimizer(optimizer, engine)
         dp = DPOptimizer(engine, privatizer, optimizer)

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from dpopt.algorithms import (ALGORITHMS, DECAYED_WORKLOAD, DEFAULT_NOISE, NON_PRIVATE, DPOptimizer, Hyperparameters,
-                              Privatizer, build_algorithm)
+from dpopt.algorithms import (ALGORITHMS, DECAYED_WORKLOAD, DEFAULT_NOISE, LR_TIMES_STEPS, NON_PRIVATE, DPOptimizer,
+                              Hyperparameters, Privatizer, build_algorithm)
 from dpopt.algorithms.base import check_physical_batch_size
 from dpopt.checkpoint import CheckpointError, check_writable, load_checkpoint, save_checkpoint, write_atomic
 from dpopt.clipping import Clipping
@@ -247,6 +247,10 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel:
         key = secret_key(config.secret_seed)
     sampler = make_sampler(config.sampling_kind, n, config.batch_size, SecretStream(key, "sampling"))
     total = config.epochs * sampler.steps_per_epoch
+    if config.hp.lr is None:  # the recipe's default shrinks like 1/T: the config keeps the value the run uses
+        config = dataclasses.replace(config, hp=config.hp.for_run(config.algorithm, total))
+        log(f"{config.algorithm}: lr = {LR_TIMES_STEPS[config.algorithm]:g} / {total} steps = {config.hp.lr:.3g} "
+            "(its default shrinks like 1/steps; --lr sets it)")
     clipping = Clipping(config.clip, config.clipping)
     ledger = PrivacyLedger(config.relation, config.accountant)
     noise = build_run_noise(config, sampler, total, clipping.sensitivity, SecretStream(key, "noise"), log)

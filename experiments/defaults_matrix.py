@@ -1,10 +1,10 @@
 """Each private recipe's defaults on built-in dataset and model pairs other than digits + MLP (docs/defaults.md).
 
-``dpopt reproduce defaults_matrix [--recipes A ...] [--pairs DATASET/MODEL ...] [--out DIR]`` runs, for every
-recipe and pair, exactly ``dpopt train --algorithm A --dataset D --model M --epsilon 2 --secret-seed 0`` (every
-other flag at its default) on one thread, prints one JSON line per run and appends it to ``DIR/runs.jsonl``.
-``--summarize`` writes ``DIR/table.md`` from runs.jsonl: test accuracy per recipe and pair, and the majority-class
-test rate of each pair.
+``dpopt reproduce defaults_matrix [--recipes A ...] [--pairs DATASET/MODEL ...] [--secret-seeds S ...] [--out DIR]``
+runs, for every recipe, pair and secret seed S (default 0), exactly ``dpopt train --algorithm A --dataset D --model M
+--epsilon 2 --secret-seed S`` (every other flag at its default) on one thread, prints one JSON line per run and
+appends it to ``DIR/runs.jsonl``. ``--summarize`` writes ``DIR/table.md`` from runs.jsonl: test accuracy per recipe
+and pair at secret seed 0, the majority-class test rate of each pair, and the cells run with several seeds.
 """
 
 from __future__ import annotations
@@ -25,19 +25,19 @@ PAIRS = ["digits/logreg", "breast-cancer/logreg", "mnist1d/mlp", "pima/mlp", "mn
 OUT = Path(__file__).resolve().parent / "results" / "defaults_matrix"
 
 
-def run(recipe: str, pair: str) -> dict:
-    """One ``dpopt train`` run with the recipe's defaults at epsilon 2, secret seed 0; a run that raises (a
-    recipe that does not apply to the model) is recorded with its error."""
+def run(recipe: str, pair: str, secret_seed: int = 0) -> dict:
+    """One ``dpopt train`` run with the recipe's defaults at epsilon 2; a run that raises (a recipe that does not
+    apply to the model) is recorded with its error."""
     dataset, model = pair.split("/")
+    cell = {"recipe": recipe, "dataset": dataset, "model": model, "secret_seed": secret_seed}
     start = time.process_time()
     try:
-        metrics = train(TrainConfig(algorithm=recipe, dataset=dataset, model=model, epsilon=2.0, secret_seed=0),
-                        progress=False, log=lambda _: None)
+        metrics = train(TrainConfig(algorithm=recipe, dataset=dataset, model=model, epsilon=2.0,
+                                    secret_seed=secret_seed), progress=False, log=lambda _: None)
     except Exception as e:  # noqa: BLE001 - recorded, the matrix goes on
-        return {"recipe": recipe, "dataset": dataset, "model": model, "error": f"{type(e).__name__}: {e}"}
-    return {"recipe": recipe, "dataset": dataset, "model": model, "test_accuracy": round(metrics["test_accuracy"], 4),
-            "epsilon": round(metrics["epsilon"], 3), "steps": metrics["steps"],
-            "cpu_s": round(time.process_time() - start, 1)}
+        return {**cell, "error": f"{type(e).__name__}: {e}"}
+    return {**cell, "test_accuracy": round(metrics["test_accuracy"], 4), "epsilon": round(metrics["epsilon"], 3),
+            "steps": metrics["steps"], "cpu_s": round(time.process_time() - start, 1)}
 
 
 def majority_rate(dataset: str) -> float:
@@ -47,9 +47,14 @@ def majority_rate(dataset: str) -> float:
 
 
 def summarize(out: Path) -> str:
-    """``out/table.md``: test accuracy (%) per recipe (rows) and pair (columns); the last run of each cell."""
-    runs = {(r["recipe"], f"{r['dataset']}/{r['model']}"): r
-            for r in map(json.loads, (out / "runs.jsonl").read_text().splitlines())}
+    """``out/table.md``: test accuracy (%) per recipe (rows) and pair (columns), the last run of each cell at
+    secret seed 0; then each cell run with several secret seeds: the mean and each seed's accuracy."""
+    every = list(map(json.loads, (out / "runs.jsonl").read_text().splitlines()))
+    runs = {(r["recipe"], f"{r['dataset']}/{r['model']}"): r for r in every if r.get("secret_seed", 0) == 0}
+    seeded: dict[tuple[str, str], dict[int, float]] = {}  # the last run of each cell and seed
+    for r in filter(lambda r: "error" not in r, every):
+        cell = seeded.setdefault((r["recipe"], f"{r['dataset']}/{r['model']}"), {})
+        cell[r.get("secret_seed", 0)] = 100 * r["test_accuracy"]
     pairs = [p for p in PAIRS if any(k[1] == p for k in runs)]
     pairs += sorted({k[1] for k in runs} - set(pairs))
     recipes = [r for r in RECIPES if any(k[0] == r for k in runs)]
@@ -75,6 +80,12 @@ def summarize(out: Path) -> str:
         if "error" in run:
             errors.setdefault(run["error"], []).append(f"{r} on {p}")
     lines += [f"\nerror ({', '.join(cells)}): {error}" for error, cells in errors.items()]
+    several = {k: v for k, v in seeded.items() if len(v) > 1}
+    if several:
+        lines += ["\n| recipe | pair | mean test accuracy (%) | each secret seed |", "|---|---|---|---|"]
+        lines += [f"| {r} | {p} | {sum(v.values()) / len(v):.2f} | "
+                  + ", ".join(f"{s}: {a:.2f}" for s, a in sorted(v.items())) + " |"
+                  for (r, p), v in sorted(several.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
     table = "\n".join(lines) + "\n"
     (out / "table.md").write_text(table)
     return table
@@ -84,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dpopt reproduce defaults_matrix")
     p.add_argument("--recipes", nargs="+", default=RECIPES, metavar="A")
     p.add_argument("--pairs", nargs="+", default=PAIRS, metavar="DATASET/MODEL")
+    p.add_argument("--secret-seeds", nargs="+", type=int, default=[0], metavar="S")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--summarize", action="store_true", help="write OUT/table.md from OUT/runs.jsonl and exit")
     a = p.parse_args(argv)
@@ -94,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     for pair in a.pairs:
         for recipe in a.recipes:
-            line = json.dumps(run(recipe, pair))
-            print(line, flush=True)
-            with open(a.out / "runs.jsonl", "a") as f:
-                f.write(line + "\n")
+            for seed in a.secret_seeds:
+                line = json.dumps(run(recipe, pair, seed))
+                print(line, flush=True)
+                with open(a.out / "runs.jsonl", "a") as f:
+                    f.write(line + "\n")
     return 0

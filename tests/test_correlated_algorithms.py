@@ -207,8 +207,8 @@ def test_bad_correlated_input_gets_a_clear_error(args, message, capsys):
 
 
 def test_accelerated_srgd_warns_when_its_step_is_too_large_for_the_run_length():
-    """Claim 4.2: the step 1/beta must shrink like 1/T; digits' tuned lr 0.01 over 9,380 MNIST steps gave 45.6%
-    (2.35e-4: 86.0%). The hint fires for lr * T above 4 * 2.2, not at the tuned product."""
+    """Claim 4.2: the step 1/beta must shrink like 1/T; a fixed lr 0.01 over 9,380 MNIST steps gave 45.6%
+    (1.1 / T: 89.5%). The hint fires for lr * T above 4 * 1.1, not at twice the default product."""
     model, _ = problem()
     steps = EPOCHS * (N // BATCH)
     with pytest.warns(UserWarning, match="likely too large"):
@@ -217,3 +217,31 @@ def test_accelerated_srgd_warns_when_its_step_is_too_large_for_the_run_length():
         warnings.simplefilter("error")
         optimizer(model, "accel-dp-srgd", noise="tree", lr=2.2 / steps)
         optimizer(model, "dp-srgd", noise="tree", lr=10.0 / steps)  # unaccelerated: lr 0.2 learns on MNIST too
+
+
+def test_accelerated_srgd_default_step_is_a_constant_over_the_run_length():
+    """accel-dp-srgd's default lr is LR_TIMES_STEPS / T for the run's T steps, resolved once the run's length is
+    known (train's config and make_private alike); a given lr is kept; an unset lr is refused elsewhere."""
+    from dpopt import make_private
+    from dpopt.algorithms import LR_TIMES_STEPS
+    from dpopt.train import build_run
+
+    assert TrainConfig(algorithm="accel-dp-srgd").hp.lr is None
+    for epochs in (1, 3):
+        run = build_run(TrainConfig(algorithm="accel-dp-srgd", epochs=epochs, noise_multiplier=1.0), log=quiet)
+        assert run.total_steps == epochs * 12  # digits: 1,437 examples in fixed batches of 128
+        assert run.config.hp.lr == run.optimizer.base.lr == LR_TIMES_STEPS["accel-dp-srgd"] / run.total_steps
+    given = TrainConfig(algorithm="accel-dp-srgd", noise_multiplier=1.0, hp=Hyperparameters(lr=0.003))
+    assert build_run(given, log=quiet).optimizer.base.lr == 0.003
+    model, (x, y) = problem()
+    _, opt, _ = make_private(model, "accel-dp-srgd", (x, y), mlp_loss, batch_size=BATCH, epochs=2,
+                             noise_multiplier=1.0)
+    assert opt.dp.base.lr == LR_TIMES_STEPS["accel-dp-srgd"] / (2 * N // BATCH)
+    with pytest.raises(ValueError, match="no default learning rate for the run's length"):
+        Hyperparameters(lr=None).for_run("dp-sgd", 10)
+    with pytest.raises(ValueError, match="learning rate is still unset"):
+        optimizer(problem()[0], "accel-dp-srgd", noise="tree", lr=None)
+
+
+def quiet(_):
+    pass

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 
 from dpopt.algorithms.base import DPOptimizer, Privatizer
@@ -25,7 +25,7 @@ class Hyperparameters:
     """The optimisation hyper-parameters of every recipe; each becomes a ``dpopt train`` flag.
     A recipe reads the fields it needs; a new method adds its own fields here."""
 
-    lr: float = hyper(0.5, "learning rate")
+    lr: float | None = hyper(0.5, "learning rate")  # None: the recipe's LR_TIMES_STEPS over the run's steps
     momentum: float = hyper(0.0, "SGD momentum (dp-sgd)")
     weight_decay: float = hyper(0.0, "weight decay (decoupled for dp-adamw)")
     betas: tuple[float, float] = hyper((0.9, 0.999), "Adam betas")
@@ -54,7 +54,7 @@ class Hyperparameters:
                                    "safe to publish)")
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.lr) and self.lr > 0):
+        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"learning rate must be a finite number > 0, got {self.lr}")
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"momentum must lie in [0, 1), got {self.momentum}")
@@ -85,6 +85,15 @@ class Hyperparameters:
         given = {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items() if v is not None}
         return cls(**{**DEFAULTS.get(name, {}), **given})
 
+    def for_run(self, name: str, steps: int) -> "Hyperparameters":
+        """These hyper-parameters for recipe ``name`` over a run of ``steps`` steps: an lr left to the recipe
+        (None, its default where it registered ``lr_times_steps``) becomes ``LR_TIMES_STEPS[name] / steps``."""
+        if self.lr is not None:
+            return self
+        if name not in LR_TIMES_STEPS:
+            raise ValueError(f"{name} has no default learning rate for the run's length: give lr")
+        return replace(self, lr=LR_TIMES_STEPS[name] / steps)
+
 
 Recipe = Callable[[PerExampleEngine, Privatizer, Hyperparameters], DPOptimizer]
 ALGORITHMS: dict[str, Recipe] = {}
@@ -92,19 +101,24 @@ DEFAULT_NOISE: dict[str, str] = {}  # a recipe's noise mechanism unless --noise 
 DECAYED_WORKLOAD: set[str] = set()  # recipes that privatize SRG increments: their "true" workload has --decay
 NON_PRIVATE: set[str] = set()  # baselines that release without noise: no privacy target, epsilon = inf
 DEFAULTS: dict[str, dict[str, Any]] = {}  # a recipe's own Hyperparameters defaults (tuned: docs/defaults.md)
+LR_TIMES_STEPS: dict[str, float] = {}  # recipes whose default lr shrinks like 1/T: lr = this / the run's steps
 
 
 def register(name: str, noise: str = "gaussian", decayed: bool = False, private: bool = True,
-             defaults: dict[str, Any] | None = None) -> Callable[[Recipe], Recipe]:
+             defaults: dict[str, Any] | None = None,
+             lr_times_steps: float | None = None) -> Callable[[Recipe], Recipe]:
     """Add recipe ``name``: its default noise mechanism, and ``defaults`` for the Hyperparameters fields whose
-    global default does not suit it (applied where the user gives no value)."""
+    global default does not suit it (applied where the user gives no value); with ``lr_times_steps``, its default
+    lr is that constant over the run's steps (``Hyperparameters.for_run``)."""
     unknown = set(defaults or {}) - {f.name for f in fields(Hyperparameters)}
     if unknown:
         raise ValueError(f"{name}: defaults for unknown hyper-parameters {', '.join(sorted(unknown))}")
 
     def add(recipe: Recipe) -> Recipe:
         ALGORITHMS[name] = recipe
-        DEFAULTS[name] = dict(defaults or {})
+        DEFAULTS[name] = dict(defaults or {}) | ({"lr": None} if lr_times_steps is not None else {})
+        if lr_times_steps is not None:
+            LR_TIMES_STEPS[name] = lr_times_steps
         DEFAULT_NOISE[name] = noise
         if decayed:
             DECAYED_WORKLOAD.add(name)
@@ -120,6 +134,8 @@ def build_algorithm(name: str, engine: PerExampleEngine, privatizer: Privatizer,
     """The recipe ``name``; its steps go through the engine ``physical_batch_size`` examples at a time."""
     if name not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {name!r}; choose one of {', '.join(sorted(ALGORITHMS))}")
+    if hp.lr is None:
+        raise ValueError(f"{name}: the learning rate is still unset; resolve it with hp.for_run({name!r}, steps)")
     optimizer = ALGORITHMS[name](engine, privatizer, hp)
     optimizer.physical_batch_size = physical_batch_size
     return optimizer
