@@ -124,7 +124,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--delta", type=float, default=d.delta)
     p.add_argument("--epochs", type=_positive_int, default=d.epochs)
     p.add_argument("--batch-size", type=_positive_int, default=d.batch_size,
-                   help="expected batch size (Poisson) or batch size (shuffle, fixed)")
+                   help="expected batch size (Poisson) or batch size (shuffle, fixed) (default: 128, or the whole "
+                        "training set if smaller)")
     p.add_argument("--physical-batch-size", type=int, default=d.physical_batch_size, metavar="N",
                    help="examples per forward/backward: a logical (sampled) batch is processed in chunks of at most "
                         "N whose clipped sums are added before the noise; same release, memory set by N (default: "

@@ -54,6 +54,7 @@ from dpopt.privacy.statement import privacy_statement
 
 CALIBRATIONS = ("accountant", "advanced-composition")
 # Examples per forward/backward unless a run says otherwise: a logical batch of at most this many is one pass.
+DEFAULT_BATCH = 128
 DEFAULT_PHYSICAL_BATCH = 256
 
 
@@ -69,7 +70,7 @@ class TrainConfig:
     noise_multiplier: float | None = None
     epochs: int = 20
     calibration_epochs: int | None = None  # epochs --epsilon calibrated the noise for (None: epochs; see extended)
-    batch_size: int = 128
+    batch_size: int | None = None  # None: DEFAULT_BATCH, or the whole training set if smaller (set by build_run)
     clip: float = 1.0
     clipping: str = "flat"
     seed: int = 0  # public: initialisation, projections, directions, dropout; never the secret streams
@@ -245,6 +246,8 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel:
         key = None
     elif key is None:
         key = secret_key(config.secret_seed)
+    if config.batch_size is None:  # the config keeps the value the run uses
+        config = dataclasses.replace(config, batch_size=min(DEFAULT_BATCH, n))
     sampler = make_sampler(config.sampling_kind, n, config.batch_size, SecretStream(key, "sampling"))
     total = config.epochs * sampler.steps_per_epoch
     if config.hp.lr is None:  # the recipe's default shrinks like 1/T: the config keeps the value the run uses

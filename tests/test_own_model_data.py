@@ -142,6 +142,25 @@ def test_a_module_function_model_trains_on_numeric_columns(builders, tmp_path):
     assert state["0.weight"].shape == (8, 3) and state["2.weight"].shape == (2, 8)
 
 
+def test_the_default_batch_of_a_set_smaller_than_it_is_the_whole_set(builders, tmp_path):
+    """The default --batch-size is 128, or the whole training set if smaller (golub has 30 examples): such a run
+    trains instead of refusing, and its config records the batch it used; a given larger batch is refused."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(60, 3, generator=g)
+    datasets.Dataset.from_dict({"a": x[:, 0].tolist(), "b": x[:, 1].tolist(),
+                                "y": (x[:, 0] > 0).long().tolist()}).to_csv(tmp_path / "small.csv", index=False)
+    n = len(load_dataset(str(tmp_path / "small.csv"), label_column="y"))
+    out = tmp_path / "out"
+    assert main(["train", "--dataset", str(tmp_path / "small.csv"), "--label-column", "y", "--model",
+                 "own_builders:build", "--epochs", "2", "--noise-multiplier", "1", "--out", str(out),
+                 "--no-progress"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert n < 128 and metrics["config"]["batch_size"] == n and metrics["steps"] == 2
+    with pytest.raises(SystemExit):
+        main(["train", "--dataset", str(tmp_path / "small.csv"), "--label-column", "y", "--model",
+              "own_builders:build", "--batch-size", "128", "--noise-multiplier", "1", "--no-progress"])
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--label-column", "stars"], "has no column 'stars'; its columns are review, sentiment (choose one with "
                                   "--label-column)"),
