@@ -4,7 +4,8 @@
 runs, for every recipe, pair and secret seed S (default 0), exactly ``dpopt train --algorithm A --dataset D --model M
 --epsilon 2 --secret-seed S`` (every other flag at its default) on one thread, prints one JSON line per run and
 appends it to ``DIR/runs.jsonl``. ``--summarize`` writes ``DIR/table.md`` from runs.jsonl: test accuracy per recipe
-and pair at secret seed 0, the majority-class test rate of each pair, and the cells run with several seeds.
+and pair at secret seed 0, the majority-class test rate of each pair, the cells run with several seeds, and the
+verdict: which recipes learn on each pair (``verdict``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from dpopt.train import TrainConfig, train
 
 RECIPES = ["dp-sgd", "dp-adam", "dp-adamw", "disk-sgd", "disk-adam", "disk-adamw", "dp-grape", "disk-grape",
            "dp-galore", "dp-ftrl", "dp-memf", "dp-srg-memf", "accel-dp-srgd", "dp-srgd"]
-PAIRS = ["digits/logreg", "breast-cancer/logreg", "mnist1d/mlp", "pima/mlp", "mnist/logreg", "mnist/mlp"]
+PAIRS = ["digits/logreg", "breast-cancer/logreg", "mnist1d/mlp", "pima/mlp", "mnist/logreg", "mnist/mlp", "sonar/logreg",
+         "sonar/mlp", "ionosphere/logreg", "ionosphere/mlp", "golub/logreg"]
 OUT = Path(__file__).resolve().parent / "results" / "defaults_matrix"
 
 
@@ -48,7 +50,8 @@ def majority_rate(dataset: str) -> float:
 
 def summarize(out: Path) -> str:
     """``out/table.md``: test accuracy (%) per recipe (rows) and pair (columns), the last run of each cell at
-    secret seed 0; then each cell run with several secret seeds: the mean and each seed's accuracy."""
+    secret seed 0; then each cell run with several secret seeds: the mean and each seed's accuracy; then the
+    verdict."""
     every = list(map(json.loads, (out / "runs.jsonl").read_text().splitlines()))
     runs = {(r["recipe"], f"{r['dataset']}/{r['model']}"): r for r in every if r.get("secret_seed", 0) == 0}
     seeded: dict[tuple[str, str], dict[int, float]] = {}  # the last run of each cell and seed
@@ -66,8 +69,8 @@ def summarize(out: Path) -> str:
 
     lines = ["| recipe | " + " | ".join(pairs) + " |", "|---" * (len(pairs) + 1) + "|"]
     lines += [f"| {r} | " + " | ".join(cell(r, p) for p in pairs) + " |" for r in recipes]
-    majority = [f"{100 * majority_rate(p.split('/')[0]):.2f}" for p in pairs]
-    lines.append("| majority class | " + " | ".join(majority) + " |")
+    rates = {d: 100 * majority_rate(d) for d in {p.split("/")[0] for p in pairs}}
+    lines.append("| majority class | " + " | ".join(f"{rates[p.split('/')[0]]:.2f}" for p in pairs) + " |")
     done = {k: r for k, r in runs.items() if "error" not in r}
     eps = sorted({r["epsilon"] for r in done.values()})
     steps = {p: sorted({done[k]["steps"] for k in done if k[1] == p}) for p in pairs}
@@ -86,9 +89,36 @@ def summarize(out: Path) -> str:
         lines += [f"| {r} | {p} | {sum(v.values()) / len(v):.2f} | "
                   + ", ".join(f"{s}: {a:.2f}" for s, a in sorted(v.items())) + " |"
                   for (r, p), v in sorted(several.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
+    lines += ["", *verdict(runs, seeded, pairs, recipes, rates)]
     table = "\n".join(lines) + "\n"
     (out / "table.md").write_text(table)
     return table
+
+
+def verdict(runs: dict, seeded: dict, pairs: list[str], recipes: list[str], rates: dict[str, float]) -> list[str]:
+    """Per pair, the recipes that learn: test accuracy at least 10 points above the majority rate and at most 5
+    below dp-sgd's (the reference, with the global defaults), on the mean over the secret seeds run; a run that
+    does not start is a miss."""
+    def mean(r: str, p: str) -> float | None:
+        return None if (r, p) not in seeded else sum(seeded[r, p].values()) / len(seeded[r, p])
+
+    lines = ["| pair | majority | dp-sgd | learn | miss | not run |", "|---|---|---|---|---|---|"]
+    for p in pairs:
+        reference, majority = mean("dp-sgd", p), rates[p.split("/")[0]]
+        learn, miss, missing = [], [], []
+        for r in (r for r in recipes if r != "dp-sgd"):
+            if "error" in runs.get((r, p), {}):
+                miss.append(f"{r} (error)")
+            elif mean(r, p) is None:
+                missing.append(r)
+            elif reference is not None and mean(r, p) >= max(majority + 10, reference - 5):
+                learn.append(r)
+            else:
+                miss.append(f"**{r} {mean(r, p):.2f}**")
+        shown = "—" if reference is None else f"{reference:.2f}"
+        lines.append(f"| {p} | {majority:.2f} | {shown} | {', '.join(learn)} | {', '.join(miss)} | "
+                     f"{', '.join(missing)} |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
