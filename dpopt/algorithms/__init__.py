@@ -5,5 +5,5 @@ from dpopt.algorithms.base import DPOptimizer, Privatizer, StepResult, Transform
 from dpopt.algorithms.registry import (ALGORITHMS, DECAYED_WORKLOAD, DEFAULT_NOISE, DEFAULTS, LR_TIMES_STEPS,
                                        NON_PRIVATE, Hyperparameters, build_algorithm, register)
 
-__all__ = ["ALGORITHMS", "DECAYED_WORKLOAD", "DEFAULT_NOISE", "DEFAULTS", "LR_TIMES_STEPS", "NON_PRIVATE", "DPOptimizer",
-           "Hyperparameters", "Privatizer", "StepResult", "Transform", "build_algorithm", "register"]
+__all__ = ["ALGORITHMS", "DECAYED_WORKLOAD", "DEFAULT_NOISE", "DEFAULTS", "LR_TIMES_STEPS", "NON_PRIVATE",
+           "DPOptimizer", "Hyperparameters", "Privatizer", "StepResult", "Transform", "build_algorithm", "register"]
