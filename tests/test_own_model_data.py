@@ -1,5 +1,6 @@
 """dpopt train on the user's own model (hf:PATH, module:function) and data (CSV, JSONL, Parquet, save_to_disk)."""
 
+import dataclasses
 import json
 import random
 import sys
@@ -14,6 +15,7 @@ from dpopt.checkpoint import CHECKPOINT, load_checkpoint  # noqa: E402
 from dpopt.cli import main  # noqa: E402
 from dpopt.data.datasets import load_dataset  # noqa: E402
 from dpopt.data.text import MAX_LENGTH  # noqa: E402
+from dpopt.train import TrainConfig, train  # noqa: E402
 
 WORDS = {"pos": ["good", "great", "fun", "moving"], "neg": ["bad", "awful", "boring", "dull"],
          "filler": ["the", "a", "movie", "plot", "film", "story"]}
@@ -143,22 +145,19 @@ def test_a_module_function_model_trains_on_numeric_columns(builders, tmp_path):
 
 
 def test_the_default_batch_of_a_set_smaller_than_it_is_the_whole_set(builders, tmp_path):
-    """The default --batch-size is 128, or the whole training set if smaller (golub has 30 examples): such a run
+    """The default batch size is 128, or the whole training set if smaller (golub has 30 examples): such a run
     trains instead of refusing, and its config records the batch it used; a given larger batch is refused."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(60, 3, generator=g)
+    data = str(tmp_path / "small.csv")
     datasets.Dataset.from_dict({"a": x[:, 0].tolist(), "b": x[:, 1].tolist(),
-                                "y": (x[:, 0] > 0).long().tolist()}).to_csv(tmp_path / "small.csv", index=False)
-    n = len(load_dataset(str(tmp_path / "small.csv"), label_column="y"))
-    out = tmp_path / "out"
-    assert main(["train", "--dataset", str(tmp_path / "small.csv"), "--label-column", "y", "--model",
-                 "own_builders:build", "--epochs", "2", "--noise-multiplier", "1", "--out", str(out),
-                 "--no-progress"]) == 0
-    metrics = json.loads((out / "metrics.json").read_text())
+                                "y": (x[:, 0] > 0).long().tolist()}).to_csv(data, index=False)
+    n = len(load_dataset(data, label_column="y"))
+    config = TrainConfig(dataset=data, label_column="y", model="own_builders:build", epochs=2, noise_multiplier=1.0)
+    metrics = train(config, progress=False, log=lambda _: None)
     assert n < 128 and metrics["config"]["batch_size"] == n and metrics["steps"] == 2
-    with pytest.raises(SystemExit):
-        main(["train", "--dataset", str(tmp_path / "small.csv"), "--label-column", "y", "--model",
-              "own_builders:build", "--batch-size", "128", "--noise-multiplier", "1", "--no-progress"])
+    with pytest.raises(ValueError, match="batch size must lie in"):
+        train(dataclasses.replace(config, batch_size=128), progress=False, log=lambda _: None)
 
 
 @pytest.mark.parametrize("argv,message", [
