@@ -53,8 +53,8 @@ from dpopt.privacy.statement import privacy_statement
 
 
 CALIBRATIONS = ("accountant", "advanced-composition")
+DEFAULT_BATCH = 128  # expected examples per logical batch unless a run says otherwise (or the whole set if smaller)
 # Examples per forward/backward unless a run says otherwise: a logical batch of at most this many is one pass.
-DEFAULT_BATCH = 128
 DEFAULT_PHYSICAL_BATCH = 256
 
 

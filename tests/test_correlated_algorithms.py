@@ -8,14 +8,15 @@ import pytest
 import torch
 from torch import nn
 
-from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
+from dpopt import make_private
+from dpopt.algorithms import LR_TIMES_STEPS, Hyperparameters, Privatizer, build_algorithm
 from dpopt.cli import main
 from dpopt.clipping import Clipping
 from dpopt.data.samplers import FixedOrderSampler
 from dpopt.grad import PerExampleEngine
 from dpopt.noise import SecretStream, build_noise
 from dpopt.privacy import AccountingError, PrivacyLedger
-from dpopt.train import TrainConfig, resume, train
+from dpopt.train import TrainConfig, build_run, resume, train
 from helpers import mlp_loss, train_keeping_epoch_one
 
 N, BATCH, EPOCHS = 24, 8, 2
@@ -34,6 +35,10 @@ def optimizer(model, algorithm, noise="mf", z=1.0, clip=1.0, batch=BATCH, **hp):
                        momentum=hp.get("momentum", 0.0))
     privatizer = Privatizer(Clipping(clip), mech, sampler, PrivacyLedger())
     return build_algorithm(algorithm, PerExampleEngine(model, mlp_loss), privatizer, Hyperparameters(**hp))
+
+
+def quiet(_):
+    pass
 
 
 def params(model):
@@ -222,10 +227,6 @@ def test_accelerated_srgd_warns_when_its_step_is_too_large_for_the_run_length():
 def test_accelerated_srgd_default_step_is_a_constant_over_the_run_length():
     """accel-dp-srgd's default lr is LR_TIMES_STEPS / T for the run's T steps, resolved once the run's length is
     known (train's config and make_private alike); a given lr is kept; an unset lr is refused elsewhere."""
-    from dpopt import make_private
-    from dpopt.algorithms import LR_TIMES_STEPS
-    from dpopt.train import build_run
-
     assert TrainConfig(algorithm="accel-dp-srgd").hp.lr is None
     for epochs in (1, 3):
         run = build_run(TrainConfig(algorithm="accel-dp-srgd", epochs=epochs, noise_multiplier=1.0), log=quiet)
@@ -241,7 +242,3 @@ def test_accelerated_srgd_default_step_is_a_constant_over_the_run_length():
         Hyperparameters(lr=None).for_run("dp-sgd", 10)
     with pytest.raises(ValueError, match="learning rate is still unset"):
         optimizer(problem()[0], "accel-dp-srgd", noise="tree", lr=None)
-
-
-def quiet(_):
-    pass
