@@ -14,10 +14,10 @@ import textwrap
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
-from dpopt.algorithms import ALGORITHMS, DEFAULTS, LR_TIMES_STEPS, NON_PRIVATE, Hyperparameters
+from dpopt.algorithms import ALGORITHMS, DEFAULTS, NON_PRIVATE, Hyperparameters
 from dpopt.checkpoint import CHECKPOINT, CheckpointError, check_writable, claim_run_folder, load_checkpoint
 from dpopt.clipping import CLIP_MODES
-from dpopt.data.datasets import DATASETS, DatasetNotFound, check_dataset
+from dpopt.data.datasets import DATASET_EPOCHS, DATASETS, DEFAULT_EPOCHS, DatasetNotFound, check_dataset
 from dpopt.data.samplers import SAMPLINGS
 from dpopt.device import add_device_arguments
 from dpopt.distributed import DataParallel, from_environment, launch
@@ -83,12 +83,11 @@ def _checked(check: Callable[[str], None], names: Sequence[str]) -> Callable[[st
 
 
 def _defaults_text(name: str, default: Any) -> str:
-    """'default: 0.5; 0.01 for dp-adam, dp-adamw': a hyper-parameter's default and the recipes' own."""
+    """'default: 0.5; 0.15/sqrt(steps) for dp-adam, dp-adamw': a hyper-parameter's default and the recipes' own."""
     own: dict[Any, list[str]] = {}
     for algorithm, values in sorted(DEFAULTS.items()):
         if name in values:
-            value = f"{LR_TIMES_STEPS[algorithm]:g}/steps" if values[name] is None else values[name]
-            own.setdefault(value, []).append(algorithm)
+            own.setdefault(values[name], []).append(algorithm)
     shown = lambda v: " ".join(map(str, v)) if isinstance(v, tuple) else str(v)  # noqa: E731
     return "; ".join([f"default: {shown(default)}", *(f"{shown(v)} for {', '.join(a)}" for v, a in own.items())])
 
@@ -122,7 +121,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                         f"{', '.join(sorted(NON_PRIVATE))}); the noise is calibrated to it")
     budget.add_argument("--noise-multiplier", type=float, help="noise std / clip norm; epsilon is then reported")
     p.add_argument("--delta", type=float, default=d.delta)
-    p.add_argument("--epochs", type=_positive_int, default=d.epochs)
+    p.add_argument("--epochs", type=_positive_int, help=f"passes over the training set (default: {DEFAULT_EPOCHS}; "
+                   + "; ".join(f"{e} for {name}" for name, e in DATASET_EPOCHS.items()) + ")")
     p.add_argument("--batch-size", type=_positive_int, default=d.batch_size,
                    help="expected batch size (Poisson) or batch size (shuffle, fixed) (default: 128, or the whole "
                         "training set if smaller)")

@@ -220,7 +220,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | str, data:
     privatizer = Privatizer(Clipping(clip, clipping), GaussianNoise(noise_multiplier, clip, SecretStream(key, "noise")),
                             sampler, ledger)
     if isinstance(optimizer, str):
-        hp = (hp or Hyperparameters.for_algorithm(optimizer)).for_run(optimizer, steps)
+        hp = (hp or Hyperparameters.for_algorithm(optimizer)).for_run(steps)
         dp = build_algorithm(optimizer, engine, privatizer, hp)
     else:
         _check_optimizer(optimizer, engine)

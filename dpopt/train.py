@@ -29,12 +29,12 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from dpopt.algorithms import (ALGORITHMS, DECAYED_WORKLOAD, DEFAULT_NOISE, LR_TIMES_STEPS, NON_PRIVATE, DPOptimizer,
-                              Hyperparameters, Privatizer, build_algorithm)
+from dpopt.algorithms import (ALGORITHMS, DECAYED_WORKLOAD, DEFAULT_NOISE, NON_PRIVATE, DPOptimizer,
+                              Hyperparameters, Privatizer, StepRule, build_algorithm)
 from dpopt.algorithms.base import check_physical_batch_size
 from dpopt.checkpoint import CheckpointError, check_writable, load_checkpoint, save_checkpoint, write_atomic
 from dpopt.clipping import Clipping
-from dpopt.data.datasets import DATASETS, Dataset, check_dataset, labels_of, load_dataset
+from dpopt.data.datasets import DATASETS, Dataset, check_dataset, default_epochs, labels_of, load_dataset
 from dpopt.data.samplers import SAMPLINGS, Sampler, make_sampler, sampler_state, take
 from dpopt.device import autocast_dtype, resolve_device, to_device
 from dpopt.distributed import DataParallel
@@ -68,7 +68,7 @@ class TrainConfig:
     epsilon: float | None = None
     delta: float = 1e-5
     noise_multiplier: float | None = None
-    epochs: int = 20
+    epochs: int | None = None  # None: the dataset's default (default_epochs), set at construction
     calibration_epochs: int | None = None  # epochs --epsilon calibrated the noise for (None: epochs; see extended)
     batch_size: int | None = None  # None: DEFAULT_BATCH, or the whole training set if smaller (set by build_run)
     clip: float = 1.0
@@ -94,6 +94,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.hp is None:  # resolved here, so the config (and the checkpoint) holds the values the run uses
             object.__setattr__(self, "hp", Hyperparameters.for_algorithm(self.algorithm))
+        if self.epochs is None:
+            object.__setattr__(self, "epochs", default_epochs(self.dataset))
 
     def validate(self) -> None:
         check_dataset(self.dataset)
@@ -250,10 +252,10 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel:
         config = dataclasses.replace(config, batch_size=min(DEFAULT_BATCH, n))
     sampler = make_sampler(config.sampling_kind, n, config.batch_size, SecretStream(key, "sampling"))
     total = config.epochs * sampler.steps_per_epoch
-    if config.hp.lr is None:  # the recipe's default shrinks like 1/T: the config keeps the value the run uses
-        config = dataclasses.replace(config, hp=config.hp.for_run(config.algorithm, total))
-        log(f"{config.algorithm}: lr = {LR_TIMES_STEPS[config.algorithm]:g} / {total} steps = {config.hp.lr:.3g} "
-            "(its default shrinks like 1/steps; --lr sets it)")
+    if isinstance(rule := config.hp.lr, StepRule):  # set by the run's length: the config keeps the value used
+        config = dataclasses.replace(config, hp=config.hp.for_run(total))
+        log(f"{config.algorithm}: lr = {rule} = {config.hp.lr:.3g} over {total} steps (its default depends on the "
+            "run's length; --lr sets it)")
     clipping = Clipping(config.clip, config.clipping)
     ledger = PrivacyLedger(config.relation, config.accountant)
     noise = build_run_noise(config, sampler, total, clipping.sensitivity, SecretStream(key, "noise"), log)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dpopt import make_private
-from dpopt.algorithms import LR_TIMES_STEPS, Hyperparameters, Privatizer, build_algorithm
+from dpopt.algorithms import Hyperparameters, Privatizer, StepRule, build_algorithm
 from dpopt.cli import main
 from dpopt.clipping import Clipping
 from dpopt.data.samplers import FixedOrderSampler
@@ -39,6 +39,11 @@ def optimizer(model, algorithm, noise="mf", z=1.0, clip=1.0, batch=BATCH, **hp):
 
 def quiet(_):
     pass
+
+
+def lr_of(dp):
+    """The step a private optimizer's update uses: a torch optimizer's, or Accelerated-DP-SRGD's 1/beta."""
+    return dp.base.lr if hasattr(dp.base, "lr") else dp.base.param_groups[0]["lr"]
 
 
 def params(model):
@@ -224,21 +229,21 @@ def test_accelerated_srgd_warns_when_its_step_is_too_large_for_the_run_length():
         optimizer(model, "dp-srgd", noise="tree", lr=10.0 / steps)  # unaccelerated: lr 0.2 learns on MNIST too
 
 
-def test_accelerated_srgd_default_step_is_a_constant_over_the_run_length():
-    """accel-dp-srgd's default lr is LR_TIMES_STEPS / T for the run's T steps, resolved once the run's length is
-    known (train's config and make_private alike); a given lr is kept; an unset lr is refused elsewhere."""
-    assert TrainConfig(algorithm="accel-dp-srgd").hp.lr is None
+@pytest.mark.parametrize("algorithm,rule", [("accel-dp-srgd", StepRule(1.1, 1.0)), ("dp-adam", StepRule(0.15, 0.5))])
+def test_a_default_step_set_by_the_run_length_is_resolved_once_the_length_is_known(algorithm, rule):
+    """accel-dp-srgd's default lr is 1.1 / T and Adam's 0.15 / sqrt(T) for the run's T steps, resolved once the
+    run's length is known (train's config and make_private alike); a given lr is kept; an unresolved rule or no
+    lr at all is refused."""
+    assert TrainConfig(algorithm=algorithm).hp.lr == rule
     for epochs in (1, 3):
-        run = build_run(TrainConfig(algorithm="accel-dp-srgd", epochs=epochs, noise_multiplier=1.0), log=quiet)
-        assert run.total_steps == epochs * 12  # digits: 1,437 examples in fixed batches of 128
-        assert run.config.hp.lr == run.optimizer.base.lr == LR_TIMES_STEPS["accel-dp-srgd"] / run.total_steps
-    given = TrainConfig(algorithm="accel-dp-srgd", noise_multiplier=1.0, hp=Hyperparameters(lr=0.003))
-    assert build_run(given, log=quiet).optimizer.base.lr == 0.003
+        run = build_run(TrainConfig(algorithm=algorithm, epochs=epochs, noise_multiplier=1.0), log=quiet)
+        assert run.config.hp.lr == lr_of(run.optimizer) == rule.scale / run.total_steps ** rule.power
+    given = TrainConfig(algorithm=algorithm, noise_multiplier=1.0, hp=Hyperparameters(lr=0.003))
+    assert lr_of(build_run(given, log=quiet).optimizer) == 0.003
     model, (x, y) = problem()
-    _, opt, _ = make_private(model, "accel-dp-srgd", (x, y), mlp_loss, batch_size=BATCH, epochs=2,
-                             noise_multiplier=1.0)
-    assert opt.dp.base.lr == LR_TIMES_STEPS["accel-dp-srgd"] / (2 * N // BATCH)
-    with pytest.raises(ValueError, match="no default learning rate for the run's length"):
-        Hyperparameters(lr=None).for_run("dp-sgd", 10)
-    with pytest.raises(ValueError, match="learning rate is still unset"):
-        optimizer(problem()[0], "accel-dp-srgd", noise="tree", lr=None)
+    _, opt, _ = make_private(model, algorithm, (x, y), mlp_loss, batch_size=BATCH, epochs=2, noise_multiplier=1.0)
+    assert lr_of(opt.dp) == rule(2 * N // BATCH)
+    with pytest.raises(ValueError, match="learning rate must be a finite number > 0, got None"):
+        Hyperparameters(lr=None)
+    with pytest.raises(ValueError, match="still the rule"):
+        optimizer(problem()[0], algorithm, noise="tree" if algorithm == "accel-dp-srgd" else "gaussian", lr=rule)

@@ -9,6 +9,7 @@ import torch
 
 from dpopt.algorithms import DEFAULTS, Hyperparameters
 from dpopt.cli import parser
+from dpopt.data.datasets import DATASET_EPOCHS, DEFAULT_EPOCHS
 from dpopt.train import TrainConfig, chance_warning, train
 
 # ``dpopt train --algorithm A --dataset digits --epsilon 2`` with every other flag at its default must reach these
@@ -69,6 +70,19 @@ def test_cli_and_api_resolve_the_algorithms_defaults():
     with pytest.raises(ValueError, match="unknown hyper-parameters"):
         from dpopt.algorithms import register
         register("not-a-recipe", defaults={"learning_rate": 1.0})
+
+
+def test_epochs_default_to_the_datasets_own_in_the_cli_and_the_api():
+    """Golub's 30 examples get one full-batch step (docs/defaults.md); every other set 20 epochs; a given
+    --epochs wins."""
+    def epochs(*argv):
+        args = parser().parse_args(["train", *argv])
+        return TrainConfig(dataset=args.dataset, epochs=args.epochs).epochs
+
+    assert epochs() == TrainConfig().epochs == DEFAULT_EPOCHS == 20
+    assert epochs("--dataset", "golub") == TrainConfig(dataset="golub").epochs == DATASET_EPOCHS["golub"] == 1
+    assert epochs("--dataset", "golub", "--epochs", "5") == TrainConfig(dataset="golub", epochs=5).epochs == 5
+    assert TrainConfig.from_dict(TrainConfig(dataset="golub").to_dict()).epochs == 1
 
 
 def test_a_run_at_chance_warns_that_every_update_was_clipped():

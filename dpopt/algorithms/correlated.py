@@ -16,7 +16,7 @@ import warnings
 
 from dpopt.algorithms.base import DPOptimizer, Privatizer
 from dpopt.algorithms.first_order import BASES
-from dpopt.algorithms.registry import Hyperparameters, register
+from dpopt.algorithms.registry import Hyperparameters, StepRule, register
 from dpopt.grad.engine import PerExampleEngine
 from dpopt.transforms.nesterov import AcceleratedSRG
 from dpopt.transforms.srg import RecursiveGradient
@@ -38,18 +38,18 @@ def dp_srg_memf(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparam
 
 
 # Accelerated-DP-SRGD's step 1/β must shrink like 1/T: the weighted differences η_t∇f(x_t) − η_{t−1}∇f(x_{t−1})
-# stay bounded only for β ≥ 2MT (Claim 4.2). Its default lr is LR_TIMES_STEPS / T, with lr·T = 1.1 measured on
-# digits (240 steps), MNIST (9,380) and mnist1d (640) (docs/defaults.md).
-LR_TIMES_STEPS = 1.1
+# stay bounded only for β ≥ 2MT (Claim 4.2). Its default lr is 1.1 / T, lr·T = 1.1 measured on digits (240 steps),
+# MNIST (9,380) and mnist1d (640) (docs/defaults.md).
+ACCELERATED_LR = StepRule(1.1, 1.0)
 
 
 def _srgd(accelerate: bool):
     def recipe(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
         steps = getattr(privatizer.noise, "horizon", 0)  # the run's length, where the noise is built for it
-        if accelerate and hp.lr * steps > 4 * LR_TIMES_STEPS:
+        if accelerate and steps and hp.lr > 4 * ACCELERATED_LR(steps):
             warnings.warn(f"accel-dp-srgd's step 1/beta = lr = {hp.lr:g} over {steps} steps is likely too large: "
                           f"its per-example differences grow with t unless the step shrinks like 1/T (Claim 4.2, "
-                          f"beta >= 2MT); its default is {LR_TIMES_STEPS:g} / steps = {LR_TIMES_STEPS / steps:.2g} "
+                          f"beta >= 2MT); its default is {ACCELERATED_LR} = {ACCELERATED_LR(steps):.2g} "
                           "(docs/defaults.md)", stacklevel=2)
         coupling = AcceleratedSRG(engine.params, hp.lr, hp.radius, accelerate)
         return DPOptimizer(engine, privatizer, coupling, statistic=coupling.statistic)
@@ -57,5 +57,5 @@ def _srgd(accelerate: bool):
     return recipe
 
 
-register("accel-dp-srgd", noise="tree", lr_times_steps=LR_TIMES_STEPS)(_srgd(True))
+register("accel-dp-srgd", noise="tree", defaults={"lr": ACCELERATED_LR})(_srgd(True))
 register("dp-srgd", noise="tree", defaults={"lr": 0.2})(_srgd(False))

@@ -21,11 +21,26 @@ TREE_DECODERS = ("sum", "least-squares")
 
 
 @dataclass(frozen=True)
+class StepRule:
+    """A default learning rate set by the run's length T: ``scale / T**power``. Accelerated-DP-SRGD's step must
+    shrink like 1/T (Claim 4.2: power 1); Adam's noise-driven walk grows like lr * sqrt(T) (power 1/2)."""
+
+    scale: float
+    power: float
+
+    def __call__(self, steps: int) -> float:
+        return self.scale / steps ** self.power
+
+    def __str__(self) -> str:
+        return f"{self.scale:g}/" + {1.0: "steps", 0.5: "sqrt(steps)"}.get(self.power, f"steps^{self.power:g}")
+
+
+@dataclass(frozen=True)
 class Hyperparameters:
     """The optimisation hyper-parameters of every recipe; each becomes a ``dpopt train`` flag.
     A recipe reads the fields it needs; a new method adds its own fields here."""
 
-    lr: float | None = hyper(0.5, "learning rate")  # None: the recipe's LR_TIMES_STEPS over the run's steps
+    lr: float | StepRule = hyper(0.5, "learning rate")  # a StepRule: set by the run's length (for_run)
     momentum: float = hyper(0.0, "SGD momentum (dp-sgd)")
     weight_decay: float = hyper(0.0, "weight decay (decoupled for dp-adamw)")
     betas: tuple[float, float] = hyper((0.9, 0.999), "Adam betas")
@@ -54,7 +69,8 @@ class Hyperparameters:
                                    "safe to publish)")
 
     def __post_init__(self) -> None:
-        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
+        if not isinstance(self.lr, StepRule) and not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr)
+                                                      and self.lr > 0):
             raise ValueError(f"learning rate must be a finite number > 0, got {self.lr}")
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"momentum must lie in [0, 1), got {self.momentum}")
@@ -85,14 +101,10 @@ class Hyperparameters:
         given = {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items() if v is not None}
         return cls(**{**DEFAULTS.get(name, {}), **given})
 
-    def for_run(self, name: str, steps: int) -> "Hyperparameters":
-        """These hyper-parameters for recipe ``name`` over a run of ``steps`` steps: an lr left to the recipe
-        (None, its default where it registered ``lr_times_steps``) becomes ``LR_TIMES_STEPS[name] / steps``."""
-        if self.lr is not None:
-            return self
-        if name not in LR_TIMES_STEPS:
-            raise ValueError(f"{name} has no default learning rate for the run's length: give lr")
-        return replace(self, lr=LR_TIMES_STEPS[name] / steps)
+    def for_run(self, steps: int) -> "Hyperparameters":
+        """These hyper-parameters over a run of ``steps`` steps: a learning rate given as a ``StepRule`` (a
+        recipe's default) becomes its value for that length."""
+        return replace(self, lr=self.lr(steps)) if isinstance(self.lr, StepRule) else self
 
 
 Recipe = Callable[[PerExampleEngine, Privatizer, Hyperparameters], DPOptimizer]
@@ -101,24 +113,19 @@ DEFAULT_NOISE: dict[str, str] = {}  # a recipe's noise mechanism unless --noise 
 DECAYED_WORKLOAD: set[str] = set()  # recipes that privatize SRG increments: their "true" workload has --decay
 NON_PRIVATE: set[str] = set()  # baselines that release without noise: no privacy target, epsilon = inf
 DEFAULTS: dict[str, dict[str, Any]] = {}  # a recipe's own Hyperparameters defaults (tuned: docs/defaults.md)
-LR_TIMES_STEPS: dict[str, float] = {}  # recipes whose default lr shrinks like 1/T: lr = this / the run's steps
 
 
 def register(name: str, noise: str = "gaussian", decayed: bool = False, private: bool = True,
-             defaults: dict[str, Any] | None = None,
-             lr_times_steps: float | None = None) -> Callable[[Recipe], Recipe]:
+             defaults: dict[str, Any] | None = None) -> Callable[[Recipe], Recipe]:
     """Add recipe ``name``: its default noise mechanism, and ``defaults`` for the Hyperparameters fields whose
-    global default does not suit it (applied where the user gives no value); with ``lr_times_steps``, its default
-    lr is that constant over the run's steps (``Hyperparameters.for_run``)."""
+    global default does not suit it (applied where the user gives no value; an lr may be a ``StepRule``)."""
     unknown = set(defaults or {}) - {f.name for f in fields(Hyperparameters)}
     if unknown:
         raise ValueError(f"{name}: defaults for unknown hyper-parameters {', '.join(sorted(unknown))}")
 
     def add(recipe: Recipe) -> Recipe:
         ALGORITHMS[name] = recipe
-        DEFAULTS[name] = dict(defaults or {}) | ({"lr": None} if lr_times_steps is not None else {})
-        if lr_times_steps is not None:
-            LR_TIMES_STEPS[name] = lr_times_steps
+        DEFAULTS[name] = dict(defaults or {})
         DEFAULT_NOISE[name] = noise
         if decayed:
             DECAYED_WORKLOAD.add(name)
@@ -134,8 +141,8 @@ def build_algorithm(name: str, engine: PerExampleEngine, privatizer: Privatizer,
     """The recipe ``name``; its steps go through the engine ``physical_batch_size`` examples at a time."""
     if name not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {name!r}; choose one of {', '.join(sorted(ALGORITHMS))}")
-    if hp.lr is None:
-        raise ValueError(f"{name}: the learning rate is still unset; resolve it with hp.for_run({name!r}, steps)")
+    if isinstance(hp.lr, StepRule):
+        raise ValueError(f"{name}: the learning rate is still the rule {hp.lr}; resolve it with hp.for_run(steps)")
     optimizer = ALGORITHMS[name](engine, privatizer, hp)
     optimizer.physical_batch_size = physical_batch_size
     return optimizer
