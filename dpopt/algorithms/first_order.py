@@ -28,7 +28,7 @@ def _dp(base: str):
 
 
 # Adam's step is about lr per coordinate whatever the gradient's scale, so its noise walk grows like lr * sqrt(T):
-# lr = 0.15 / sqrt(T): 0.0101 on digits (220 steps), 0.0015 on MNIST (9,380), 0.024 on ionosphere (40)
+# lr = 0.15 / sqrt(T): 0.0101 on digits (220 steps), 0.00155 on MNIST (9,380), 0.024 on ionosphere (40)
 # (docs/defaults.md).
 ADAM_DEFAULTS = {"lr": StepRule(0.15, 0.5)}
 for _name in BASES:

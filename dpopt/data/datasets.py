@@ -209,4 +209,5 @@ DATASET_EPOCHS = {"golub": 1}
 
 
 def default_epochs(dataset: str) -> int:
+    """The passes a run over ``dataset`` makes unless it gives ``epochs``."""
     return DATASET_EPOCHS.get(dataset, DEFAULT_EPOCHS)
