@@ -175,7 +175,8 @@ class TrainConfig:
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown config keys: {', '.join(sorted(unknown))}")
-        hp = {k: tuple(v) if isinstance(v, list) else v for k, v in data.get("hp", {}).items()}
+        hp = {k: tuple(v) if isinstance(v, list) else StepRule(**v) if isinstance(v, dict) else v
+              for k, v in data.get("hp", {}).items()}  # a dict: an lr rule not yet resolved (to_dict's asdict)
         return cls(**{**data, "hp": Hyperparameters(**hp)})
 
 
@@ -282,6 +283,9 @@ def freeze_all_but(model: nn.Module, pattern: str) -> str:
            f"{sum(p.numel() for p in model.parameters()):,} numbers) matching {pattern!r}"
 
 
+SLOW_FACTORIZATION_STEPS = 1024  # beyond it, optimising an mf or banded factorization takes minutes: say so
+
+
 def run_noise_kind(config: TrainConfig, steps: int) -> str:
     """The noise mechanism of a run of ``steps`` steps: ``config.noise_kind``, except that a recipe's default
     dense ``mf`` (``--noise auto``) gives way to ``banded`` beyond ``MAX_DENSE_STEPS`` steps, where the dense
@@ -303,7 +307,7 @@ def build_run_noise(config: TrainConfig, sampler: Sampler, total: int, clip: flo
     if kind != config.noise_kind:
         log(f"{config.noise_kind} noise (the recipe's default) is out of reach over {total} steps (at most "
             f"{MAX_DENSE_STEPS}): using {kind} noise (BandMF) instead; --noise tree is faster to set up")
-    if kind == "banded" and total > 1024 or kind == "mf" and 1024 < total <= MAX_DENSE_STEPS:
+    if total > SLOW_FACTORIZATION_STEPS and (kind == "banded" or kind == "mf" and total <= MAX_DENSE_STEPS):
         log(f"optimising the {kind} factorization for {total} steps (once, before training; minutes at this size)")
     noise = build_noise(kind, 0.0, clip, stream, total, sampler.steps_per_epoch, hp.tree_decoder, hp.bands,
                         hp.momentum if true else 0.0,

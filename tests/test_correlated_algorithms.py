@@ -229,11 +229,12 @@ def test_accelerated_srgd_warns_when_its_step_is_too_large_for_the_run_length():
         optimizer(model, "dp-srgd", noise="tree", lr=10.0 / steps)  # unaccelerated: lr 0.2 learns on MNIST too
 
 
-@pytest.mark.parametrize("algorithm,rule", [("accel-dp-srgd", StepRule(1.1, 1.0)), ("dp-adam", StepRule(0.15, 0.5))])
+@pytest.mark.parametrize("algorithm,rule", [("accel-dp-srgd", StepRule(1.1, 1.0)), ("dp-ftrl", StepRule(0.465, 0.5)),
+                                            ("dp-adam", StepRule(0.15, 0.5))])
 def test_a_default_step_set_by_the_run_length_is_resolved_once_the_length_is_known(algorithm, rule):
-    """accel-dp-srgd's default lr is 1.1 / T and Adam's 0.15 / sqrt(T) for the run's T steps, resolved once the
-    run's length is known (train's config and make_private alike); a given lr is kept; an unresolved rule or no
-    lr at all is refused."""
+    """accel-dp-srgd's default lr is 1.1 / T, DP-FTRL's 0.465 / sqrt(T) and Adam's 0.15 / sqrt(T) for the run's T
+    steps, resolved once the run's length is known (train's config and make_private alike); a given lr is kept; an
+    unresolved rule or no lr at all is refused."""
     assert TrainConfig(algorithm=algorithm).hp.lr == rule
     for epochs in (1, 3):
         run = build_run(TrainConfig(algorithm=algorithm, epochs=epochs, noise_multiplier=1.0), log=quiet)
@@ -246,4 +247,4 @@ def test_a_default_step_set_by_the_run_length_is_resolved_once_the_length_is_kno
     with pytest.raises(ValueError, match="learning rate must be a finite number > 0, got None"):
         Hyperparameters(lr=None)
     with pytest.raises(ValueError, match="still the rule"):
-        optimizer(problem()[0], algorithm, noise="tree" if algorithm == "accel-dp-srgd" else "gaussian", lr=rule)
+        optimizer(problem()[0], algorithm, noise="tree" if algorithm != "dp-adam" else "gaussian", lr=rule)

@@ -27,7 +27,10 @@ def _sgd(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) 
     return DPOptimizer(engine, privatizer, BASES["sgd"](engine.params, hp))
 
 
-register("dp-ftrl", noise="tree", defaults={"lr": 0.03, "momentum": 0.9, "tree_decoder": "least-squares"})(_sgd)
+# DP-FTRL's lr is 0.465 / sqrt(T): 0.03 on digits' 240 steps, larger for short runs (one full-batch step on golub
+# needs a step the size of DP-SGD's) and smaller for long ones (MNIST's 9,380 steps: 0.0048) (docs/defaults.md).
+FTRL_LR = StepRule(0.465, 0.5)
+register("dp-ftrl", noise="tree", defaults={"lr": FTRL_LR, "momentum": 0.9, "tree_decoder": "least-squares"})(_sgd)
 register("dp-memf", noise="mf", defaults={"lr": 0.3})(_sgd)
 
 
@@ -41,12 +44,13 @@ def dp_srg_memf(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparam
 # stay bounded only for β ≥ 2MT (Claim 4.2). Its default lr is 1.1 / T, lr·T = 1.1 measured on digits (240 steps),
 # MNIST (9,380) and mnist1d (640) (docs/defaults.md).
 ACCELERATED_LR = StepRule(1.1, 1.0)
+TOO_LARGE = 4.0  # a given lr above this multiple of the default draws a warning (2.2 / T still learns)
 
 
 def _srgd(accelerate: bool):
     def recipe(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
         steps = getattr(privatizer.noise, "horizon", 0)  # the run's length, where the noise is built for it
-        if accelerate and steps and hp.lr > 4 * ACCELERATED_LR(steps):
+        if accelerate and steps and hp.lr > TOO_LARGE * ACCELERATED_LR(steps):
             warnings.warn(f"accel-dp-srgd's step 1/beta = lr = {hp.lr:g} over {steps} steps is likely too large: "
                           f"its per-example differences grow with t unless the step shrinks like 1/T (Claim 4.2, "
                           f"beta >= 2MT); its default is {ACCELERATED_LR} = {ACCELERATED_LR(steps):.2g} "
