@@ -66,7 +66,7 @@ def test_cli_and_api_resolve_the_algorithms_defaults():
     assert hp().lr == Hyperparameters().lr  # dp-sgd keeps the global defaults
     ftrl = hp("--algorithm", "dp-ftrl", "--betas", "0.8", "0.9")
     assert (ftrl.momentum, ftrl.tree_decoder, ftrl.betas) == (0.9, "least-squares", (0.8, 0.9))
-    for recipe in ("dp-ftrl", "dp-sgd"):  # dp-ftrl's lr: a rule not yet resolved; dp-sgd's: a number
+    for recipe in ("dp-ftrl", "dp-srgd", "dp-sgd"):  # lr rules not yet resolved (dp-srgd's capped); a number
         assert TrainConfig.from_dict(TrainConfig(algorithm=recipe).to_dict()).hp == TrainConfig(algorithm=recipe).hp
     with pytest.raises(ValueError, match="unknown hyper-parameters"):
         from dpopt.algorithms import register

@@ -27,9 +27,12 @@ def _sgd(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) 
     return DPOptimizer(engine, privatizer, BASES["sgd"](engine.params, hp))
 
 
-# DP-FTRL's lr is 0.465 / sqrt(T): 0.03 on digits' 240 steps, larger for short runs (one full-batch step on golub
-# needs a step the size of DP-SGD's) and smaller for long ones (MNIST's 9,380 steps: 0.0048) (docs/defaults.md).
+# The tree-noise SGD recipes' lr shrinks like 1/sqrt(T) from its digits value (240 steps), as MNIST's 9,380 steps
+# want: DP-FTRL 0.465 / sqrt(T) (0.03 there; one full-batch step on golub needs a step the size of DP-SGD's),
+# DP-SRGD 3.1 / sqrt(T) (0.2 there) but at most 0.2: a larger step on a short run lets the per-example gradient
+# differences it clips grow (sonar, golub) (docs/defaults.md).
 FTRL_LR = StepRule(0.465, 0.5)
+SRGD_LR = StepRule(3.1, 0.5, cap=0.2)
 register("dp-ftrl", noise="tree", defaults={"lr": FTRL_LR, "momentum": 0.9, "tree_decoder": "least-squares"})(_sgd)
 register("dp-memf", noise="mf", defaults={"lr": 0.3})(_sgd)
 
@@ -62,4 +65,4 @@ def _srgd(accelerate: bool):
 
 
 register("accel-dp-srgd", noise="tree", defaults={"lr": ACCELERATED_LR})(_srgd(True))
-register("dp-srgd", noise="tree", defaults={"lr": 0.2})(_srgd(False))
+register("dp-srgd", noise="tree", defaults={"lr": SRGD_LR})(_srgd(False))

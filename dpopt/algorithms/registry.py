@@ -22,17 +22,21 @@ TREE_DECODERS = ("sum", "least-squares")
 
 @dataclass(frozen=True)
 class StepRule:
-    """A default learning rate set by the run's length T: ``scale / T**power``. Accelerated-DP-SRGD's step must
-    shrink like 1/T (Claim 4.2: power 1); Adam's noise-driven walk grows like lr * sqrt(T) (power 1/2)."""
+    """A default learning rate set by the run's length T: ``scale / T**power``, at most ``cap`` where given.
+    Accelerated-DP-SRGD's step must shrink like 1/T (Claim 4.2: power 1); Adam's noise-driven walk grows like
+    lr * sqrt(T) (power 1/2)."""
 
     scale: float
     power: float
+    cap: float | None = None
 
     def __call__(self, steps: int) -> float:
-        return self.scale / steps ** self.power
+        lr = self.scale / steps ** self.power
+        return lr if self.cap is None else min(self.cap, lr)
 
     def __str__(self) -> str:
-        return f"{self.scale:g}/" + {1.0: "steps", 0.5: "sqrt(steps)"}.get(self.power, f"steps^{self.power:g}")
+        rule = f"{self.scale:g}/" + {1.0: "steps", 0.5: "sqrt(steps)"}.get(self.power, f"steps^{self.power:g}")
+        return rule if self.cap is None else f"min({self.cap:g}, {rule})"
 
 
 @dataclass(frozen=True)
