@@ -1,9 +1,10 @@
 """Each private recipe's defaults on built-in dataset and model pairs other than digits + MLP (docs/defaults.md).
 
-``dpopt reproduce defaults_matrix [--recipes A ...] [--pairs DATASET/MODEL ...] [--secret-seeds S ...] [--out DIR]``
-runs, for every recipe, pair and secret seed S (default 0), exactly ``dpopt train --algorithm A --dataset D --model M
---epsilon 2 --secret-seed S`` (every other flag at its default) on one thread, prints one JSON line per run and
-appends it to ``DIR/runs.jsonl``. ``--summarize`` writes ``DIR/table.md`` from runs.jsonl: test accuracy per recipe
+``dpopt reproduce defaults_matrix [--recipes A ...] [--pairs DATASET/MODEL ...] [--secret-seeds S ...] [--device D]
+[--out DIR]`` runs, for every recipe, pair and secret seed S (default 0), exactly ``dpopt train --algorithm A --dataset
+D --model M --epsilon 2 --secret-seed S [--device D]`` (every other flag at its default) on one thread, prints one
+JSON line per run and appends it to ``DIR/runs.jsonl`` (a run off the CPU records its device, and the table marks
+its cell). ``--summarize`` writes ``DIR/table.md`` from runs.jsonl: test accuracy per recipe
 and pair at secret seed 0, the majority-class test rate of each pair, the cells run with several seeds, and the
 verdict: which recipes learn on each pair (``verdict``).
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from dpopt.data.datasets import labels_of, load_dataset
+from dpopt.device import add_device_arguments, resolve_device
 from dpopt.train import TrainConfig, train
 
 RECIPES = ["dp-sgd", "dp-adam", "dp-adamw", "disk-sgd", "disk-adam", "disk-adamw", "dp-grape", "disk-grape",
@@ -27,19 +29,22 @@ PAIRS = ["digits/logreg", "breast-cancer/logreg", "mnist1d/mlp", "pima/mlp", "mn
 OUT = Path(__file__).resolve().parent / "results" / "defaults_matrix"
 
 
-def run(recipe: str, pair: str, secret_seed: int = 0) -> dict:
+def run(recipe: str, pair: str, secret_seed: int = 0, device: str = "cpu") -> dict:
     """One ``dpopt train`` run with the recipe's defaults at epsilon 2; a run that raises (a recipe that does not
     apply to the model) is recorded with its error."""
     dataset, model = pair.split("/")
     cell = {"recipe": recipe, "dataset": dataset, "model": model, "secret_seed": secret_seed}
-    start = time.process_time()
+    if device != "cpu":
+        cell["device"] = device
+    start, wall = time.process_time(), time.perf_counter()
     try:
         metrics = train(TrainConfig(algorithm=recipe, dataset=dataset, model=model, epsilon=2.0,
-                                    secret_seed=secret_seed), progress=False, log=lambda _: None)
+                                    secret_seed=secret_seed, device=device), progress=False, log=lambda _: None)
     except Exception as e:  # noqa: BLE001 - recorded, the matrix goes on
         return {**cell, "error": f"{type(e).__name__}: {e}"}
     return {**cell, "test_accuracy": round(metrics["test_accuracy"], 4), "epsilon": round(metrics["epsilon"], 3),
-            "steps": metrics["steps"], "cpu_s": round(time.process_time() - start, 1)}
+            "steps": metrics["steps"], "cpu_s": round(time.process_time() - start, 1),
+            "wall_s": round(time.perf_counter() - wall, 1)}
 
 
 def majority_rate(dataset: str) -> float:
@@ -65,7 +70,9 @@ def summarize(out: Path) -> str:
 
     def cell(r: str, p: str) -> str:
         run = runs.get((r, p))
-        return "—" if run is None else "error" if "error" in run else f"{100 * run['test_accuracy']:.2f}"
+        if run is None or "error" in run:
+            return "—" if run is None else "error"
+        return f"{100 * run['test_accuracy']:.2f}" + (f" ({run['device']})" if "device" in run else "")
 
     lines = ["| recipe | " + " | ".join(pairs) + " |", "|---" * (len(pairs) + 1) + "|"]
     lines += [f"| {r} | " + " | ".join(cell(r, p) for p in pairs) + " |" for r in recipes]
@@ -126,18 +133,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipes", nargs="+", default=RECIPES, metavar="A")
     p.add_argument("--pairs", nargs="+", default=PAIRS, metavar="DATASET/MODEL")
     p.add_argument("--secret-seeds", nargs="+", type=int, default=[0], metavar="S")
+    add_device_arguments(p)
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--summarize", action="store_true", help="write OUT/table.md from OUT/runs.jsonl and exit")
     a = p.parse_args(argv)
     if a.summarize:
         print(summarize(a.out), end="")
         return 0
+    resolve_device(a.device)  # bad input: refused before any run
     torch.set_num_threads(1)
     a.out.mkdir(parents=True, exist_ok=True)
     for pair in a.pairs:
         for recipe in a.recipes:
             for seed in a.secret_seeds:
-                line = json.dumps(run(recipe, pair, seed))
+                line = json.dumps(run(recipe, pair, seed, a.device))
                 print(line, flush=True)
                 with open(a.out / "runs.jsonl", "a") as f:
                     f.write(line + "\n")
