@@ -7,6 +7,7 @@ from torch import nn
 
 from dpopt.clipping import Clipping
 from dpopt.grad import ExampleMixingError, PerExampleEngine, captures, check_per_example
+from dpopt.grad import engine as engine_module
 from dpopt.models import freeze_batchnorm, replace_batchnorm
 from helpers import Zoo, mlp_loss, zoo_batch, zoo_loss
 
@@ -51,7 +52,8 @@ def test_clipped_sum_weighs_chunks_of_examples_to_the_two_pass_sum(mode, monkeyp
     """The clip stage's one pass (convolution gradients materialised a chunk of examples at a time, weighed
     and summed at once) gives the sums of the two-pass route (all norms, then one weighted sum), for one
     point and for a two-point combination."""
-    monkeypatch.setattr(captures, "CHUNK_ELEMENTS", 200)  # one example per chunk
+    monkeypatch.setattr(engine_module, "chunks", lambda batch, per_example, device: [slice(i, i + 1)
+                                                                                     for i in range(batch)])
     model, batch = Zoo(), zoo_batch(7)
     engine = PerExampleEngine(model, zoo_loss)
     clipping = Clipping(1e-2, mode)
@@ -74,6 +76,20 @@ def test_clipped_sum_weighs_chunks_of_examples_to_the_two_pass_sum(mode, monkeyp
             spent.sq_norms()
         for name, a, b in zip(engine.names, got, expected):
             assert a.shape == b.shape and rel(a, b) <= 1e-5, name
+
+
+def test_an_accelerator_forms_the_clip_stage_in_larger_chunks_than_a_cpu():
+    """A CPU's chunks are cache-sized; an accelerator's hold 16x more, so a batch the CPU splits is one chunk
+    there (fewer kernel launches per step; the sums do not depend on the split: the test above). Both cover
+    every example once, in order."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")  # a device name needs no device
+    assert captures.chunk_elements(cpu) == captures.CHUNK_ELEMENTS
+    assert captures.chunk_elements(gpu) == 16 * captures.CHUNK_ELEMENTS
+    per_example = 16384  # what the clip stage asks per example of the bench's Tanh CNN (dpopt bench --workload cnn)
+    split, whole = captures.chunks(1024, per_example, cpu), captures.chunks(1024, per_example, gpu)
+    assert len(split) > 1 and len(whole) == 1
+    for parts in (split, whole):
+        assert [i for s in parts for i in range(s.start, s.stop)] == list(range(1024))
 
 
 @pytest.mark.parametrize("cin, kernel, stride, padding, dilation, groups, hw, by_phase", [

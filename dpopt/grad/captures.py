@@ -25,15 +25,23 @@ import torch
 import torch.nn.functional as F
 
 # Per-example temporaries (Gram matrices, unfolded patches) are formed for chunks of examples holding at
-# most this many elements, so the clip stage never needs more than a few MB on top of the captures.
+# most this many elements: on a CPU 2^20 (4 MB of float32, cache-sized), so the clip stage needs a few MB on
+# top of the captures; on an accelerator 2^24 (64 MB), where a chunk's kernel launches cost more than its
+# memory (docs/performance.md, "On a GPU": a CNN b1024 step is 1,613 aten operations at 2^20, 478 at 2^24).
 CHUNK_ELEMENTS = 1 << 20
+ACCELERATOR_CHUNK_ELEMENTS = 1 << 24
 # A ghost norm below 1/CANCELLING of its steps' own squared norms is recomputed exactly (``_outer_sq_norms``).
 CANCELLING = 16
 
 
-def chunks(batch: int, per_example: int) -> list[slice]:
-    """Slices of examples whose temporaries of ``per_example`` elements each fit in ``CHUNK_ELEMENTS``."""
-    size = max(1, CHUNK_ELEMENTS // max(1, per_example))
+def chunk_elements(device: torch.device) -> int:
+    """The most elements a chunk's per-example temporaries may hold on ``device``."""
+    return CHUNK_ELEMENTS if device.type == "cpu" else ACCELERATOR_CHUNK_ELEMENTS
+
+
+def chunks(batch: int, per_example: int, device: torch.device) -> list[slice]:
+    """Slices of examples whose temporaries of ``per_example`` elements each fit in ``chunk_elements``."""
+    size = max(1, chunk_elements(device) // max(1, per_example))
     return [slice(i, min(i + size, batch)) for i in range(0, batch, size)]
 
 
@@ -83,6 +91,11 @@ class Capture:
     def held_elements(self) -> int:
         raise NotImplementedError
 
+    @property
+    def device(self) -> torch.device:
+        """Where the per-example gradients are formed."""
+        raise NotImplementedError
+
 
 class Dense(Capture):
     def __init__(self, g: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> None:
@@ -98,6 +111,10 @@ class Dense(Capture):
 
     def held_elements(self) -> int:
         return self.g.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.g.device
 
     def subset(self, rows: torch.Tensor) -> "Dense":
         return Dense(self.g[rows], self.shape)
@@ -170,6 +187,10 @@ class Outer(Capture):
 
     def held_elements(self) -> int:
         return self.left.numel() + self.right.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.right.device
 
     def materialized_elements(self) -> int:
         return self.batch_size * self.rows * self.cols
@@ -268,7 +289,7 @@ class ConvOuter(Outer):
     def flat(self, s: slice = slice(None)) -> torch.Tensor:
         """G_i U_i^T per example (and group) for the output gradient G_i and the unfolded input U_i, C_out
         first, then ``_patches``' column order. A chunk of examples at a time, whose unfolded input is at most
-        half of what the capture holds (and of ``CHUNK_ELEMENTS`` / 2), so materialising during backward adds
+        half of what the capture holds (and of ``chunk_elements`` / 2), so materialising during backward adds
         little to the step's peak memory. On CPU faster than one grouped convolution with the batch folded into
         the groups (Rochette et al., 2019) in 10 of 12 measurements on the Tanh CNN's layers (up to 1.8x), about
         as fast in the other two (``dpopt reproduce conv_norm_cost``, three runs)."""
@@ -276,7 +297,8 @@ class ConvOuter(Outer):
         start, stop, _ = s.indices(self.batch_size)
         out = self.g.new_empty(stop - start, self.rows * self.cols)
         rows = self.rows // self.groups
-        size = max(1, min(CHUNK_ELEMENTS // 2, self.held_elements() // 2) // self.factor_temporaries())
+        budget = chunk_elements(self.device) // 2
+        size = max(1, min(budget, self.held_elements() // 2) // self.factor_temporaries())
         for i in range(start, stop, size):
             j = min(i + size, stop)
             grads = self.g[i:j].reshape((j - i) * self.groups, rows, -1)
@@ -307,6 +329,10 @@ class ConvOuter(Outer):
     def held_elements(self) -> int:
         return self.x.numel() + self.g.numel()
 
+    @property
+    def device(self) -> torch.device:
+        return self.g.device
+
 
 def _left_gram(la: torch.Tensor, lb: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """L_a L_b^T per example, [n, T_a, T_b]; an int64 factor holds the indices of one-hot rows."""
@@ -336,9 +362,10 @@ def _outer_sq_norms(c: Outer) -> tuple[torch.Tensor, torch.Tensor | None]:
     returns the squared norms and the mask of those examples (None on the materialised route). The mask stays
     on the device: ``sq_norms_of`` reads the masks of all its captures at once."""
     if by_materializing(c):
-        return torch.cat([inner_dense(g, g) for g in map(c.flat, chunks(c.batch_size, 2 * c.rows * c.cols))]), None
+        parts = chunks(c.batch_size, 2 * c.rows * c.cols, c.device)
+        return torch.cat([inner_dense(g, g) for g in map(c.flat, parts)]), None
     out, own = [], []
-    for s in chunks(c.batch_size, c.factor_temporaries() + 3 * c.steps * c.steps):
+    for s in chunks(c.batch_size, c.factor_temporaries() + 3 * c.steps * c.steps, c.device):
         left, right = c.factors(s)
         gram = torch.bmm(_f32(right), _f32(right).transpose(1, 2))
         left_gram = _left_gram(left, left, gram.dtype)

@@ -27,8 +27,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from dpopt.clipping import PerExampleStatistic
 from dpopt.device import FP16_LOSS_SCALE, autocast, autocast_dtype, rng_state, set_rng_state
-from dpopt.grad.captures import (CHUNK_ELEMENTS, Capture, Dense, Outer, by_materializing, check_version, chunks, coalesce,
-                                 inner_dense)
+from dpopt.grad.captures import (Capture, Dense, Outer, by_materializing, check_version, chunk_elements, chunks,
+                                 coalesce, inner_dense)
 from dpopt.grad.captures import sq_norms_of
 from dpopt.grad.fallback import loss_gradients, module_gradients
 from dpopt.grad.rules import TOKENWISE, Rule, rule_for
@@ -127,6 +127,10 @@ class PerExampleGradients(PerExampleStatistic):
     @property
     def groups(self) -> list[int]:
         return self.engine.groups
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.params[0].device
 
     # --- linear combinations -------------------------------------------------------------------
     def _combine(self, other: "PerExampleGradients", a: float, b: float) -> "PerExampleGradients":
@@ -229,13 +233,13 @@ class PerExampleGradients(PerExampleStatistic):
         self._settle()
         direct = [j for j, ts in enumerate(self.terms) if self._combined(j) or (ts and by_materializing(ts[0][1]))]
         per_example = sum(self.shapes[j].numel() for j in direct)
-        if not direct or per_example > CHUNK_ELEMENTS // 2:
+        if not direct or per_example > chunk_elements(self.device) // 2:
             return self.weighted_sum(weigh(self.sq_norms()), release, into)
         sq = self.sq_norms(skip=direct)
         sums: dict[int, torch.Tensor | None] = {j: None for j in direct}
         unflat = {j: self._unflat(j) for j in direct}
         weights = []
-        for s in chunks(self.batch_size, 2 * per_example):
+        for s in chunks(self.batch_size, 2 * per_example, self.device):
             grads = {j: self._flat(j, s) for j in direct}
             for j, g in grads.items():
                 sq[s, j] = inner_dense(g, g)
@@ -256,7 +260,7 @@ class PerExampleGradients(PerExampleStatistic):
         return out
 
     def _chunks(self, j: int) -> list[slice]:
-        return chunks(self.batch_size, 2 * self.shapes[j].numel())
+        return chunks(self.batch_size, 2 * self.shapes[j].numel(), self.device)
 
     def _flat(self, j: int, s: slice) -> torch.Tensor:
         """Per-example vectors sum_k c_k G_k of parameter ``j`` for the examples in ``s``, [n, numel] in float32
