@@ -91,11 +91,6 @@ class Capture:
     def held_elements(self) -> int:
         raise NotImplementedError
 
-    @property
-    def device(self) -> torch.device:
-        """Where the per-example gradients are formed."""
-        raise NotImplementedError
-
 
 class Dense(Capture):
     def __init__(self, g: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> None:
@@ -111,10 +106,6 @@ class Dense(Capture):
 
     def held_elements(self) -> int:
         return self.g.numel()
-
-    @property
-    def device(self) -> torch.device:
-        return self.g.device
 
     def subset(self, rows: torch.Tensor) -> "Dense":
         return Dense(self.g[rows], self.shape)
@@ -190,6 +181,7 @@ class Outer(Capture):
 
     @property
     def device(self) -> torch.device:
+        """Where the per-example gradients are formed."""
         return self.right.device
 
     def materialized_elements(self) -> int:
