@@ -70,8 +70,10 @@ def summarize(out: Path) -> str:
 
     def cell(r: str, p: str) -> str:
         run = runs.get((r, p))
-        if run is None or "error" in run:
-            return "—" if run is None else "error"
+        if run is None:
+            return "—"
+        if "error" in run:
+            return "error"
         return f"{100 * run['test_accuracy']:.2f}" + (f" ({run['device']})" if "device" in run else "")
 
     lines = ["| recipe | " + " | ".join(pairs) + " |", "|---" * (len(pairs) + 1) + "|"]
