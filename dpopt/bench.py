@@ -72,8 +72,8 @@ STEADY_HEAP = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_":
 
 @dataclass(frozen=True)
 class Case:
-    """One measurement: a workload (``minilm`` = the pretrained all-MiniLM-L6-v2, ``bert`` = its shape with
-    random weights), its batch and sequence length, and the base optimizer every system uses."""
+    """One measurement: a workload (``minilm`` = the pretrained all-MiniLM-L6-v2 with its [CLS] head, ``bert`` =
+    its shape with random weights), its batch and sequence length, and the base optimizer every system uses."""
 
     workload: str
     batch: int
@@ -145,9 +145,9 @@ def _cpu_workload(case: Case, system: str) -> tuple[nn.Module, Any, Callable]:
         data = (torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,)))
         return model, data, lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none")
     from dpopt.data.datasets import Dataset
-    from dpopt.models import minilm, minilm_random
+    from dpopt.models import minilm_cls, minilm_random
 
-    model = (minilm if case.workload == "minilm" else minilm_random)(Dataset("bench", {"labels": torch.zeros(1)}, None, 2))
+    model = (minilm_cls if case.workload == "minilm" else minilm_random)(Dataset("bench", {"labels": torch.zeros(1)}, None, 2))
     model.train()  # from_pretrained returns eval mode; fine-tuning (and Opacus) runs in training mode
     data = {"input_ids": torch.randint(0, 30522, (batch, seq)), "attention_mask": torch.ones(batch, seq, dtype=torch.long),
             "labels": torch.randint(0, 2, (batch,))}

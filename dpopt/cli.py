@@ -22,7 +22,7 @@ from dpopt.data.samplers import SAMPLINGS
 from dpopt.device import add_device_arguments
 from dpopt.distributed import DataParallel, from_environment, launch
 from dpopt.grad.engine import MODES, STRATEGIES
-from dpopt.models import MODELS, check_model
+from dpopt.models import MODEL_TRAINABLE, MODELS, check_model
 from dpopt.noise.mechanisms import NOISES
 from dpopt.privacy import (AccountingError, FixedParticipation, GaussianRelease, PoissonSampling, Relation,
                            epsilon_of, noise_multiplier_for)
@@ -178,7 +178,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                         "the reported epsilon is always the ledger's")
     p.add_argument("--trainable", metavar="REGEX",
                    help="train only the parameters whose names match this regular expression (e.g. 'head|bias' "
-                        "for a head plus BitFit); the others stay frozen at their pretrained values")
+                        "for a head plus BitFit); the others stay frozen at their pretrained values. Default: "
+                        "every weight, except " + "; ".join(f"{p!r} for {m}" for m, p in MODEL_TRAINABLE.items())
+                        + " ('.' trains every weight)")
     p.add_argument("--resume", metavar="DIR", help="continue the run whose checkpoint is in DIR; a larger --epochs "
                    "extends it, any other flag that differs from the run's is refused")
     p.add_argument("--nproc", type=_positive_int, default=1,

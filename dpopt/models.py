@@ -54,8 +54,46 @@ def _quiet_transformers():
 MINILM_SHAPE = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536)
 
 
+class SentenceClassifier(nn.Module):
+    """A sentence encoder used as it embeds sentences (mean pooling over the attention mask, L2 normalisation:
+    all-MiniLM-L6-v2's own pipeline) with a linear head on the embedding, scaled by ``scale``. With ``anchors``
+    (one embedding per class) the head's rows start at them: the zero-shot classifier "nearest anchor by
+    cosine", the analogue for a sentence encoder of the prompt-based start DPZero and MeZO fine-tune from
+    (DPZero L543; MeZO); without, a fresh head."""
+
+    def __init__(self, encoder: nn.Module, num_classes: int, anchors: dict | None = None,
+                 scale: float = 1.0) -> None:
+        super().__init__()
+        self.encoder, self.scale = encoder, scale
+        self.head = nn.Linear(encoder.config.hidden_size, num_classes, bias=anchors is None)
+        if anchors is not None:
+            with torch.no_grad():
+                self.head.weight.copy_(self.embed(anchors["input_ids"], anchors["attention_mask"]))
+
+    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        mask = attention_mask.unsqueeze(2).to(hidden.dtype)
+        return F.normalize((hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0), dim=1)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **_) -> torch.Tensor:
+        return self.scale * self.head(self.embed(input_ids, attention_mask))
+
+
+def _minilm_encoder() -> nn.Module:
+    from dpopt.data.text import minilm_path
+
+    return _quiet_transformers().AutoModel.from_pretrained(minilm_path(), add_pooling_layer=False)
+
+
 def minilm(data: Dataset) -> nn.Module:
-    """The pretrained all-MiniLM-L6-v2 (BERT, 6 layers, hidden 384) with a fresh classification head."""
+    """The pretrained all-MiniLM-L6-v2 as the sentence embedder it was trained to be, with a fresh linear head
+    (``SentenceClassifier``). Its default ``--trainable`` is the head alone (``MODEL_TRAINABLE``)."""
+    return SentenceClassifier(_minilm_encoder(), data.num_classes)
+
+
+def minilm_cls(data: Dataset) -> nn.Module:
+    """The pretrained all-MiniLM-L6-v2 as ``AutoModelForSequenceClassification`` loads it: a fresh head on the
+    [CLS] token's pooler, which the sentence-embedding training never used."""
     from dpopt.data.text import minilm_path
 
     t = _quiet_transformers()
@@ -71,43 +109,17 @@ def minilm_random(data: Dataset) -> nn.Module:
 SENTIMENT_PROMPTS = ("This movie is terrible.", "This movie is great.")  # class 0 (rotten), class 1 (fresh)
 
 
-class PromptClassifier(nn.Module):
-    """A sentence encoder used as it embeds sentences (mean pooling over the attention mask, L2 normalisation)
-    with a linear head whose rows start at the embeddings of one prompt per class: at initialisation it is the
-    zero-shot classifier "nearest prompt by cosine", built without training data. The analogue, for a sentence
-    encoder, of the prompt-based start that DPZero and MeZO fine-tune from (DPZero L543; MeZO)."""
-
-    def __init__(self, encoder: nn.Module, prompts: dict, scale: float = 20.0) -> None:
-        super().__init__()
-        self.encoder, self.scale = encoder, scale
-        with torch.no_grad():
-            anchors = self.embed(prompts["input_ids"], prompts["attention_mask"])
-        self.head = nn.Linear(anchors.shape[1], anchors.shape[0], bias=False)
-        with torch.no_grad():
-            self.head.weight.copy_(anchors)
-
-    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        mask = attention_mask.unsqueeze(2).to(hidden.dtype)
-        return F.normalize((hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0), dim=1)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **_) -> torch.Tensor:
-        return self.scale * self.head(self.embed(input_ids, attention_mask))
-
-
 def minilm_prompt(data: Dataset) -> nn.Module:
-    """The pretrained all-MiniLM-L6-v2 as a sentence embedder with a prompt-initialised head (binary movie
-    sentiment: ``SENTIMENT_PROMPTS``)."""
+    """The pretrained all-MiniLM-L6-v2 as a sentence embedder with a head started at the embeddings of one
+    prompt per class, scaled by 20 (binary movie sentiment: ``SENTIMENT_PROMPTS``)."""
     from dpopt.data.text import MAX_LENGTH, minilm_path
 
     if data.num_classes != len(SENTIMENT_PROMPTS):
         raise ValueError(f"minilm-prompt has prompts for {len(SENTIMENT_PROMPTS)} classes (movie sentiment), "
                          f"and {data.name} has {data.num_classes}; use --model minilm")
-    t = _quiet_transformers()
-    encoder = t.AutoModel.from_pretrained(minilm_path(), add_pooling_layer=False)
-    prompts = t.AutoTokenizer.from_pretrained(minilm_path())(list(SENTIMENT_PROMPTS), padding="max_length",
-                                                             truncation=True, max_length=MAX_LENGTH, return_tensors="pt")
-    return PromptClassifier(encoder, dict(prompts))
+    prompts = _quiet_transformers().AutoTokenizer.from_pretrained(minilm_path())(
+        list(SENTIMENT_PROMPTS), padding="max_length", truncation=True, max_length=MAX_LENGTH, return_tensors="pt")
+    return SentenceClassifier(_minilm_encoder(), data.num_classes, dict(prompts), scale=20.0)
 
 
 def vit_tiny(data: Dataset) -> nn.Module:
@@ -123,8 +135,9 @@ def vit_tiny(data: Dataset) -> nn.Module:
 
 IMAGE_MODELS: dict[str, Callable[[tuple[int, ...], int], nn.Module]] = {"logreg": logreg, "mlp": mlp, "cnn": cnn}
 DATA_MODELS: dict[str, tuple[str, Callable[[Dataset], nn.Module]]] = {
-    "minilm": ("text", minilm), "minilm-random": ("text", minilm_random), "vit-tiny": ("image", vit_tiny),
-    "minilm-prompt": ("text", minilm_prompt)}
+    "minilm": ("text", minilm), "minilm-cls": ("text", minilm_cls), "minilm-random": ("text", minilm_random),
+    "vit-tiny": ("image", vit_tiny), "minilm-prompt": ("text", minilm_prompt)}
+MODEL_TRAINABLE = {"minilm": r"^head\."}  # a model's default --trainable (None elsewhere: every weight)
 MODELS = sorted([*IMAGE_MODELS, *DATA_MODELS])
 
 

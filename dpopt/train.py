@@ -39,7 +39,7 @@ from dpopt.data.samplers import SAMPLINGS, Sampler, make_sampler, sampler_state,
 from dpopt.device import autocast_dtype, resolve_device, to_device
 from dpopt.distributed import DataParallel
 from dpopt.grad.engine import MODES, STRATEGIES, PerExampleEngine, check_per_example
-from dpopt.models import build_model, check_model, hf_folder
+from dpopt.models import MODEL_TRAINABLE, build_model, check_model, hf_folder
 from dpopt.noise.correlated import CorrelatedNoise
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.mechanisms import MAX_DENSE_STEPS, NOISES, build_noise
@@ -87,7 +87,8 @@ class TrainConfig:
     device: str = "cpu"  # cpu, cuda, mps or auto (cuda, else mps, else cpu)
     precision: str = "fp32"  # fp32, bf16 or fp16 (CUDA): autocast forward/backward, float32 weights, sums, noise
     checkpoint_every: int = 0  # also checkpoint after every N-th step within an epoch (0: at epoch ends only)
-    trainable: str | None = None  # regular expression: train only the parameters whose names it matches
+    trainable: str | None = None  # regular expression: train only the parameters whose names it matches (None:
+    # the model's default, MODEL_TRAINABLE, set at construction; every weight where it has none)
     calibration: str = "accountant"  # or "advanced-composition" (DPZero Lemma 2.2: loose, for faithful reproductions)
     hp: Hyperparameters | None = None  # None: the algorithm's defaults (Hyperparameters.for_algorithm)
 
@@ -96,6 +97,8 @@ class TrainConfig:
             object.__setattr__(self, "hp", Hyperparameters.for_algorithm(self.algorithm))
         if self.epochs is None:
             object.__setattr__(self, "epochs", default_epochs(self.dataset))
+        if self.trainable is None:
+            object.__setattr__(self, "trainable", MODEL_TRAINABLE.get(self.model))
 
     def validate(self) -> None:
         check_dataset(self.dataset)
@@ -240,7 +243,9 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel:
     device = resolve_device(config.device)
     model = build_model(config.model, data).to(device)
     if config.trainable is not None:
-        log(freeze_all_but(model, config.trainable))
+        default = config.trainable == MODEL_TRAINABLE.get(config.model)
+        log(freeze_all_but(model, config.trainable)
+            + (f" ({config.model}'s default; --trainable . trains every weight)" if default else ""))
     engine = PerExampleEngine(model, classification_loss, config.per_example, config.strategy, config.precision)
     engine.check_no_mixing()
     check_per_example(model, classification_loss, to_device(take(data.train, torch.arange(min(8, n))), device))
@@ -485,7 +490,8 @@ def chance_warning(run: Run, last: dict[str, Any]) -> str | None:
     return report.chance_warning(
         last["test_accuracy"], run.data.num_classes, f"sigma * sqrt(d) / B, d = {d} parameters, "
         f"B = {run.config.batch_size}", ratio, last.get("clipped_fraction", 0.0),
-        "use a larger --batch-size or --epsilon, or a smaller model",
+        "use a larger --batch-size or --epsilon, or train fewer weights (a smaller model, or --trainable: e.g. "
+        "a pretrained model's head)",
         f"each step moves at most lr * C = {run.config.hp.lr * run.config.clip:.3g}; raise --clip or --lr")
 
 

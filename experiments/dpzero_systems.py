@@ -33,7 +33,7 @@ from dpopt.data.datasets import Dataset
 from dpopt.data.samplers import FixedOrderSampler
 from dpopt.grad import PerExampleEngine
 from dpopt.grad.zeroth_order import Direction
-from dpopt.models import minilm
+from dpopt.models import minilm_cls
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.rng import SecretStream
 from dpopt.privacy import PrivacyLedger
@@ -54,7 +54,7 @@ def text_batch(b: int) -> dict[str, torch.Tensor]:
 
 
 def systems(b: int, names: tuple[str, ...]) -> dict[str, Callable[[], object]]:
-    model = minilm(Dataset("bench", {"labels": torch.zeros(1)}, None, 2)).eval()
+    model = minilm_cls(Dataset("bench", {"labels": torch.zeros(1)}, None, 2)).eval()
     batch = text_batch(b)
     engine = PerExampleEngine(model, loss)
 
@@ -114,7 +114,7 @@ def measure(b: int, repeats: int, memory_only: tuple[str, ...]) -> dict[str, dic
 def drift(cycles: int, smoothing: float = 1e-3) -> dict[str, dict[str, float]]:
     """||x_k - x_0|| / ||lambda u|| after k perturb (+l, -2l, +l) cycles of MiniLM's encoder weights in each
     dtype, and the share of the perturbation that survives rounding (||fl(x + lu) - x|| / ||lu||)."""
-    base = minilm(Dataset("bench", {"labels": torch.zeros(1)}, None, 2)).bert.encoder
+    base = minilm_cls(Dataset("bench", {"labels": torch.zeros(1)}, None, 2)).bert.encoder
     out = {}
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         params = [p.detach().to(dtype).clone() for p in base.parameters()]

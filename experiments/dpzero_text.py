@@ -10,7 +10,7 @@ accountant for the run's exact number of steps, the trainer's secret streams. Fa
 
 Models: ``minilm-prompt`` (default; the encoder as it embeds sentences, with a head initialised at the
 embeddings of "This movie is terrible." / "This movie is great.": the zero-shot classifier, the analogue of
-the paper's prompt-based start) or ``minilm`` (a fresh classification head on the pooler).
+the paper's prompt-based start) or ``minilm-cls`` (a fresh classification head on the pooler).
 
 ``--tune LR...``: MeZO at these learning rates scored on held-out *training-split* snippets not in the
 few-shot sample (no test data). Default: ``dpzero`` at each eps, ``mezo`` (non-private, same lr),
@@ -105,7 +105,7 @@ def one_run(algorithm: str, epsilon: float | None, steps: int, args: argparse.Na
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="dpopt reproduce dpzero_text")
     p.add_argument("--steps", type=int, default=1024, help="DPZero / MeZO steps (a multiple of an epoch)")
-    p.add_argument("--model", default="minilm-prompt", choices=["minilm", "minilm-prompt"],
+    p.add_argument("--model", default="minilm-prompt", choices=["minilm-cls", "minilm-prompt"],
                    help="MiniLM with a fresh head, or as a sentence embedder with a prompt-initialised head")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-5)
@@ -149,11 +149,11 @@ def main(argv: list[str]) -> int:
                 f.write(json.dumps(record) + "\n")
         return 0
     probes = {model: build_run(TrainConfig(algorithm="mezo", dataset="rotten-tomatoes-512", model=model, epochs=1,
-                                           seed=a.seed), log=lambda _: None) for model in ("minilm", "minilm-prompt")}
-    test = test_subset(probes["minilm"].data.test, a.test_size)
+                                           seed=a.seed), log=lambda _: None) for model in ("minilm-cls", "minilm-prompt")}
+    test = test_subset(probes["minilm-cls"].data.test, a.test_size)
     positive = float(test["labels"].float().mean())
     baselines = {"majority": max(positive, 1 - positive), "test_size": a.test_size,
-                 "untrained_fresh_head": accuracy(probes["minilm"].model, test, 256),
+                 "untrained_fresh_head": accuracy(probes["minilm-cls"].model, test, 256),
                  "zero_shot_prompt": accuracy(probes["minilm-prompt"].model, test, 256)}
     del probes
     print("baselines: " + json.dumps(baselines), flush=True)

@@ -26,9 +26,9 @@ SYSTEMS = ("pytorch", "galore", "dpopt", "dpopt-materialize", "opacus-hooks", "o
 
 def floats(rank: int, batch: int, seq: int) -> dict[str, float]:
     """Per-example statistic and optimizer-state floats (millions) for MiniLM with a 2-class head."""
-    from dpopt.models import minilm
+    from dpopt.models import minilm_cls
 
-    model = minilm(Dataset("floats", {"labels": torch.zeros(1)}, None, 2))
+    model = minilm_cls(Dataset("floats", {"labels": torch.zeros(1)}, None, 2))
     engine = PerExampleEngine(model, lambda m, b: b)
     sides = engine_projectable(engine, rank)
     total = sum(p.numel() for p in engine.params)

@@ -12,7 +12,7 @@ starts at the zero-shot classifier (Table 3's last row). The analogue for this s
 its own sentence embedding (mean of the last hidden states over real tokens, L2-normalised; dropout off)
 and a linear head initialised to the zero-shot classifier: row c = 20 x the embedding of class c's prompt
 (20 is the similarity scale MiniLM was trained with). A fresh head on the [CLS] pooler instead (the stock
-``--model minilm``) stayed at chance in 96 private steps (two runs, noted in docs/grape.md).
+``--model minilm-cls``) stayed at chance in 96 private steps (two runs, noted in docs/grape.md).
 
 Phases (every finished run is appended to results.jsonl and skipped when the command runs again):
 

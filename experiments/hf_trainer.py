@@ -2,7 +2,7 @@
 (``dpopt.hf.PrivateTrainer``), against ``dpopt train`` on the same setting (issue 22).
 
 Setting: all-MiniLM-L6-v2 (``--model``: ``minilm-prompt``, its normalised mean-pooled embedding with a head
-started at two prompts' embeddings, the zero-shot classifier, as in docs/grape.md; or ``minilm``,
+started at two prompts' embeddings, the zero-shot classifier, as in docs/grape.md; or ``minilm-cls``,
 ``AutoModelForSequenceClassification``'s fresh [CLS] head), the ``rotten-tomatoes-512`` split (512 snippets per
 class, 64 tokens; the test split's 2,562 snippets), Poisson batches of expected size ``--batch-size`` in
 physical batches of 32, C = ``--clip``, delta = 1e-5, Adam without weight decay at a constant learning rate, the
@@ -55,7 +55,7 @@ def run_trainer(a: argparse.Namespace, method: str, seed: int, lr: float, out: P
     if method != "trainer":
         import peft
 
-        head = {"task_type": "SEQ_CLS"} if a.model == "minilm" else {"modules_to_save": ["head"]}
+        head = {"task_type": "SEQ_CLS"} if a.model == "minilm-cls" else {"modules_to_save": ["head"]}
         model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, target_modules=["query", "value"],
                                                            **head))
         if method == "trainer-lora-grape":
@@ -78,7 +78,7 @@ def summarize(out: Path) -> str:
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     lines = ["| model | method | trained | lr | epsilon | test accuracy (%) | seeds | CPU time per run (s) |",
              "|---|---|---|---|---|---|---|---|"]
-    key = lambda r: (r.get("model", "minilm"), r["method"], r.get("trainable") or "")  # noqa: E731
+    key = lambda r: (r.get("model", "minilm-cls"), r["method"], r.get("trainable") or "")  # noqa: E731
     for model, method, trainable in sorted({key(r) for r in rows}, key=lambda k: (k[0], k[2], METHODS.index(k[1]))):
         mine = [r for r in rows if key(r) == (model, method, trainable)]
         acc = [100 * r["test_accuracy"] for r in mine]
@@ -100,9 +100,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--clip", type=float, default=0.5)
     p.add_argument("--lr", type=float, default=3e-4, help="full fine-tuning (train, trainer)")
     p.add_argument("--lr-lora", type=float, default=3e-3, help="LoRA adapters (trainer-lora, trainer-lora-grape)")
-    p.add_argument("--model", default="minilm-prompt", choices=["minilm", "minilm-prompt"],
+    p.add_argument("--model", default="minilm-prompt", choices=["minilm-cls", "minilm-prompt"],
                    help="minilm-prompt: mean-pooled embedding, head started at two prompts' embeddings (zero-shot); "
-                        "minilm: AutoModelForSequenceClassification's fresh [CLS] head")
+                        "minilm-cls: AutoModelForSequenceClassification's fresh [CLS] head")
     p.add_argument("--trainable", help="train and trainer: only the parameters matching this regular expression")
     p.add_argument("--out", default="runs/hf_trainer")
     p.add_argument("--summarize", action="store_true")
@@ -112,7 +112,7 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     log = out / "results.jsonl"
     rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    done = {(r["method"], r.get("model", "minilm"), r["seed"], r.get("trainable")) for r in rows}
+    done = {(r["method"], r.get("model", "minilm-cls"), r["seed"], r.get("trainable")) for r in rows}
     for seed in [] if a.summarize else a.seeds:
         for method in a.methods:
             trainable = None if method.startswith("trainer-lora") else a.trainable  # LoRA trains its adapters

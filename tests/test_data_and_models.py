@@ -51,3 +51,48 @@ def test_cnn_is_the_tanh_cnn_of_the_dp_literature():
     assert [(c.out_channels, c.kernel_size, c.stride) for c in convs] == [(16, (8, 8), (2, 2)), (32, (4, 4), (2, 2))]
     assert sum(p.numel() for p in model.parameters()) == 26010
     assert sum(isinstance(m, nn.Tanh) for m in model.modules()) == 3
+
+
+def test_a_sentence_classifier_mean_pools_over_the_real_tokens_only():
+    """minilm's head reads the encoder's sentence embedding (mean over unmasked tokens, unit norm): padding an
+    input changes nothing, and the embedding is a unit vector."""
+    transformers = pytest.importorskip("transformers")
+    from dpopt.models import SentenceClassifier
+
+    torch.manual_seed(0)
+    encoder = transformers.BertModel(transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1,
+                                                             num_attention_heads=2, intermediate_size=32),
+                                     add_pooling_layer=False).eval()
+    model = SentenceClassifier(encoder, 3)
+    ids = torch.randint(1, 40, (2, 5))
+    padded = torch.cat([ids, torch.randint(1, 40, (2, 3))], 1)
+    mask = torch.cat([torch.ones(2, 5, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long)], 1)
+    plain = model(input_ids=ids, attention_mask=torch.ones(2, 5, dtype=torch.long))
+    assert plain.shape == (2, 3) and model.head.bias is not None
+    assert torch.allclose(model(input_ids=padded, attention_mask=mask), plain, atol=1e-6)
+    assert not torch.allclose(model(input_ids=padded, attention_mask=torch.ones_like(mask)), plain, atol=1e-3)
+    assert torch.allclose(model.embed(ids, torch.ones(2, 5, dtype=torch.long)).norm(dim=1), torch.ones(2))
+
+
+def test_a_models_default_trainable_set_is_resolved_in_the_config_and_trains_only_it(monkeypatch):
+    """A model may name the weights it trains by default (minilm: its head); the config holds the pattern, a
+    given --trainable wins ('.' trains every weight), and the run freezes the rest and says whose default it is."""
+    from dpopt import models, train as train_module
+
+    assert TrainConfig(model="minilm").trainable == models.MODEL_TRAINABLE["minilm"] == r"^head\."
+    assert TrainConfig(model="minilm", trainable=".").trainable == "."
+    assert TrainConfig(model="mlp").trainable is None and TrainConfig(model="minilm-cls").trainable is None
+    assert TrainConfig.from_dict(TrainConfig(model="minilm").to_dict()).trainable == r"^head\."
+
+    monkeypatch.setitem(models.MODEL_TRAINABLE, "mlp", r"^3\.")
+    lines: list[str] = []
+    config = TrainConfig(model="mlp", epochs=1, epsilon=2.0, secret_seed=0)
+    run = train_module.build_run(config, log=lines.append)
+    assert any("mlp's default; --trainable . trains every weight" in line for line in lines)
+    assert [n for n, p in run.model.named_parameters() if p.requires_grad] == ["3.weight", "3.bias"]
+    everything = train_module.build_run(TrainConfig(model="mlp", epochs=1, epsilon=2.0, trainable="."), log=quiet)
+    assert all(p.requires_grad for p in everything.model.parameters())
+
+
+def quiet(_: str) -> None:
+    pass

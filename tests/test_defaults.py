@@ -103,7 +103,8 @@ def _fake_run(noise_multiplier, batch_size, d, classes=10):
 
 def test_chance_warning_names_the_noise_to_signal_ratio():
     run = _fake_run(noise_multiplier=4.0, batch_size=16, d=10_000)  # sigma sqrt(d) / B = 4 * 100 / 16 = 25
-    assert "noise is 25 times the signal" in chance_warning(run, {"test_accuracy": 0.11, "clipped_fraction": 1.0})
+    warning = chance_warning(run, {"test_accuracy": 0.11, "clipped_fraction": 1.0})
+    assert "noise is 25 times the signal" in warning and "train fewer weights" in warning and "--trainable" in warning
     assert chance_warning(run, {"test_accuracy": 0.13, "clipped_fraction": 1.0}) is None  # above chance + 2 points
     quiet_run = _fake_run(noise_multiplier=1.0, batch_size=128, d=10_000)
     assert "learning rate" in chance_warning(quiet_run, {"test_accuracy": 0.1, "clipped_fraction": 0.5})

@@ -377,14 +377,14 @@ def test_synthetic_experiment_runs_the_library_step(method):
 def test_prompt_classifier_starts_as_the_nearest_prompt_classifier():
     transformers = pytest.importorskip("transformers")
     from dpopt.data.datasets import Dataset
-    from dpopt.models import PromptClassifier, build_model
+    from dpopt.models import SentenceClassifier, build_model
 
     encoder = transformers.BertModel(transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1,
                                                              num_attention_heads=2, intermediate_size=32),
                                      add_pooling_layer=False).eval()
     prompts = {"input_ids": torch.randint(1, 40, (3, 5)), "attention_mask": torch.ones(3, 5, dtype=torch.long)}
     prompts["attention_mask"][1, 3:] = 0
-    model = PromptClassifier(encoder, prompts)
+    model = SentenceClassifier(encoder, 3, prompts, scale=20.0)
     assert torch.equal(model(**prompts).argmax(1), torch.arange(3))  # each prompt is its own nearest prompt
     ten = Dataset("ten", {"input_ids": torch.zeros(1, 4), "labels": torch.zeros(1)}, None, 10)
     with pytest.raises(ValueError, match="minilm-prompt has prompts for 2 classes"):
