@@ -221,6 +221,17 @@ def test_bad_parameters(rank, every, message):
         RandomProjection.on(PerExampleEngine(Net(), mlp_loss), rank, every, seed=0)
 
 
+def test_frozen_weights_are_not_projected_and_the_refusal_says_to_train_them():
+    """Only trained weights are projected: a model whose projectable weights are all frozen (a pretrained
+    model's head trained alone) is refused, naming --trainable."""
+    model = Net()
+    RandomProjection.on(PerExampleEngine(model, mlp_loss), 4, 10, seed=0)  # projectable while trained
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("head"))
+    with pytest.raises(ValueError, match=r"nothing to project.*--trainable"):
+        RandomProjection.on(PerExampleEngine(model, mlp_loss), 4, 10, seed=0)
+
+
 def full_batch_privatizer(n):
     """Every example every step, no clipping in effect and no noise: the private step reduces to the
     mean gradient."""

@@ -80,8 +80,9 @@ class Projection(Transform):
         if every < 1:
             raise ValueError(f"the subspace must be refreshed every >= 1 steps, got {every}")
         if not sides:
-            raise ValueError(f"no Linear weight has both sides larger than rank {rank} (heads and tied weights "
-                             "excluded): nothing to project; lower --rank or shorten --projection-exclude")
+            raise ValueError(f"no trained Linear weight has both sides larger than rank {rank} (heads, tied and "
+                             "frozen weights excluded): nothing to project; lower --rank, shorten "
+                             "--projection-exclude or train more weights (--trainable)")
         self.params, self.names, self.sides, self.rank, self.every = params, names, sides, rank, every
         self.step = 0
 
