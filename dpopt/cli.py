@@ -179,7 +179,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trainable", metavar="REGEX",
                    help="train only the parameters whose names match this regular expression (e.g. 'head|bias' "
                         "for a head plus BitFit); the others stay frozen at their pretrained values. Default: "
-                        "every weight, except " + "; ".join(f"{p!r} for {m}" for m, p in MODEL_TRAINABLE.items())
+                        "every weight, except " + "; ".join(f"'{p}' for {m}" for m, p in MODEL_TRAINABLE.items())
                         + " ('.' trains every weight)")
     p.add_argument("--resume", metavar="DIR", help="continue the run whose checkpoint is in DIR; a larger --epochs "
                    "extends it, any other flag that differs from the run's is refused")
