@@ -242,6 +242,7 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel:
     torch.manual_seed(derive_seed(config.seed, "public", "init"))
     device = resolve_device(config.device)
     model = build_model(config.model, data).to(device)
+    model.train()  # from step 0 (from_pretrained returns eval mode), as the HF Trainer and Opacus train
     if config.trainable is not None:
         default = config.trainable == MODEL_TRAINABLE.get(config.model)
         log(freeze_all_but(model, config.trainable)

@@ -17,6 +17,7 @@ from dpopt.grad import PerExampleEngine
 from dpopt.noise import SecretStream, build_noise
 from dpopt.privacy import AccountingError, PrivacyLedger
 from dpopt.train import TrainConfig, build_run, resume, train
+from dpopt.transforms import AcceleratedSRG, KalmanFilter, RecursiveGradient
 from helpers import mlp_loss, train_keeping_epoch_one
 
 N, BATCH, EPOCHS = 24, 8, 2
@@ -131,6 +132,40 @@ def test_accelerated_srgd_without_noise_is_nesterov_on_the_srg_estimate(algorith
         x_prev, x = x, [(1 - tau) * a + tau * b for a, b in zip(y, z)]
         for a, b in zip(params(model), y):
             assert torch.allclose(a, b, atol=1e-5)
+
+
+def _at_equal_points(name, params):
+    """A two-point statistic whose second point equals the first, and what it then reduces to (a multiple
+    of the gradient at one point, on one sample ξ_i)."""
+    if name == "srg":
+        srg = RecursiveGradient(0.75)
+        srg.previous = [p.detach().clone() for p in params]
+        return srg.statistic, 0.25
+    if name == "nesterov":
+        coupling = AcceleratedSRG(params, lr=0.1)
+        coupling.t, coupling.x_prev = 5, [p.detach().clone() for p in params]  # η_t = 6, η_{t-1} = 5
+        return coupling.statistic, 1.0
+    kalman = KalmanFilter(kappa=0.7, gamma=0.5)  # c = 6/7: both points evaluated
+    kalman.delta = [torch.zeros_like(p) for p in params]
+    return kalman.statistic, 1.0
+
+
+@pytest.mark.parametrize("name", ["srg", "nesterov", "kalman"])
+def test_two_point_statistics_see_one_dropout_mask_at_both_points(name):
+    """Line 3 of Alg. 1 (and DiSK's Alg. 3 line 5) evaluates the SAME sample ξ_i at both points: with dropout,
+    the same masks. At equal points the statistic is then exactly a multiple of one evaluation; with fresh
+    masks at the second point it would carry their difference (times η_t for the accelerated one)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 3))
+    data = (torch.randn(N, 5), torch.randint(0, 3, (N,)))
+    engine = PerExampleEngine(model, mlp_loss)
+    statistic, factor = _at_equal_points(name, engine.params)
+    flat = lambda g: torch.cat([t.flatten(1) for t in g.materialize()], 1)  # noqa: E731
+    state = torch.random.get_rng_state()
+    once = flat(engine.gradients(data))
+    assert not torch.allclose(once, flat(engine.gradients(data)))  # the masks do differ per call
+    torch.random.set_rng_state(state)
+    assert torch.allclose(flat(statistic(engine, data)), factor * once, atol=1e-6)
 
 
 def test_accelerated_srgd_uses_two_gradient_evaluations_per_example(monkeypatch):

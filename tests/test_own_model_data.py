@@ -15,7 +15,7 @@ from dpopt.checkpoint import CHECKPOINT, load_checkpoint  # noqa: E402
 from dpopt.cli import main  # noqa: E402
 from dpopt.data.datasets import load_dataset  # noqa: E402
 from dpopt.data.text import MAX_LENGTH  # noqa: E402
-from dpopt.train import TrainConfig, train  # noqa: E402
+from dpopt.train import TrainConfig, build_run, train  # noqa: E402
 
 WORDS = {"pos": ["good", "great", "fun", "moving"], "neg": ["bad", "awful", "boring", "dull"],
          "filler": ["the", "a", "movie", "plot", "film", "story"]}
@@ -76,6 +76,16 @@ def test_an_hf_folder_trains_on_a_csv_and_exports_a_save_pretrained_folder_witho
     for f in files:
         assert key not in f.read_bytes() and key.hex().encode() not in f.read_bytes(), f
     assert json.loads((out / "metrics.json").read_text())["model"] == f"hf:{bert}"
+
+
+def test_a_pretrained_model_trains_in_training_mode_from_the_first_step(bert, tmp_path):
+    """from_pretrained returns eval mode; the run trains in training mode (dropout on) from step 0, as the HF
+    Trainer does, not only after the first evaluation's restore (which switched every submodule on)."""
+    datasets.Dataset.from_dict(reviews()).to_csv(tmp_path / "reviews.csv", index=False)
+    run = build_run(TrainConfig(dataset=str(tmp_path / "reviews.csv"), model=f"hf:{bert}", text_column="review",
+                                label_column="sentiment", noise_multiplier=1.0), log=lambda _: None)
+    assert all(m.training for m in run.model.modules())
+    assert any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in run.model.modules())
 
 
 @pytest.mark.parametrize("form", ["jsonl", "parquet", "saved-dict", "saved-dataset"])

@@ -17,7 +17,7 @@ runs the whole model through ``torch.func`` instead: the reference the hook path
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Collection, Iterable, Sequence
+from typing import Any, Callable, Collection, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -366,6 +366,7 @@ class PerExampleEngine:
             raise ValueError(f"per-example mode 'vmap' (the reference the hooks are tested against) runs in fp32 "
                              f"only; use mode 'hooks' for {precision}")
         self.precision = precision
+        self._draws: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see ``same_random_draws``
         self.loss_scale = FP16_LOSS_SCALE  # fp16 only: fixed, never adjusted (docs/design.md)
         self._wrapper = _LossModule(model, loss_fn)
         self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -390,6 +391,18 @@ class PerExampleEngine:
         parameters themselves stay in their own dtype (master weights)."""
         device = self.params[0].device
         return autocast(device, autocast_dtype(self.precision, device))
+
+    @contextlib.contextmanager
+    def same_random_draws(self) -> Iterator[None]:
+        """Inside, every ``gradients`` call starts from the random state the first one started from, so random
+        layers (dropout) draw the same masks at every point: the same sample ξ_i at both points of a two-point
+        estimator (SRG, Choquette-Choo et al. 2024 Alg. 1 line 3; DiSK, Zhang et al. 2024 Alg. 3 line 5), whose
+        difference would otherwise carry the masks' difference. On exit the state is where one call leaves it."""
+        self._draws = rng_state(self.params[0].device)
+        try:
+            yield
+        finally:
+            self._draws = None
 
     @property
     def _scale(self) -> float:
@@ -531,6 +544,8 @@ class PerExampleEngine:
             raise ValueError(f"`at` needs {len(self.params)} tensors, got {len(values)}")
         detached = [v.detach() for v in values]
         point = {n: detached[i] for n, i in self._slots.items()}
+        if self._draws is not None:
+            set_rng_state(self._draws, self.params[0].device)
         if self.mode == "vmap":
             return self._vmap_gradients(batch, b, point)
         return self._hook_gradients(batch, b, point, detached)

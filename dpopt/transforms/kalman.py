@@ -41,15 +41,17 @@ class KalmanFilter(Transform):
         return self.c == 0.0 or math.isclose(self.c, 1.0, rel_tol=1e-12)
 
     def statistic(self, engine: PerExampleEngine, batch: Any) -> PerExampleGradients:
-        """Alg. 3, line 5: the per-example mixture, before clipping. At t = 0 (d = 0) both points are x_0."""
+        """Alg. 3, line 5: the per-example mixture, before clipping, both points under the same random draws
+        (dropout masks). At t = 0 (d = 0) both points are x_0."""
         if self.delta is None or self.c == 0.0:
             return engine.gradients(batch)
         ahead = [p.detach() + self.gamma * d for p, d in zip(engine.params, self.delta)]
-        shifted = engine.gradients(batch, at=ahead)
         if self.single_point:
-            return shifted
-        del ahead  # a model-sized copy: not kept alive through the second pass
-        return self.c * shifted + (1.0 - self.c) * engine.gradients(batch)
+            return engine.gradients(batch, at=ahead)
+        with engine.same_random_draws():
+            shifted = engine.gradients(batch, at=ahead)
+            del ahead  # a model-sized copy: not kept alive through the second pass
+            return self.c * shifted + (1.0 - self.c) * engine.gradients(batch)
 
     def __call__(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Alg. 3, line 6, with g~_{-1} = g_0 (so g~_0 = g_0: g_0 is released once)."""

@@ -48,11 +48,13 @@ class AcceleratedSRG:
         self.t = 0
 
     def statistic(self, engine: PerExampleEngine, batch: Any) -> PerExampleGradients:
-        """Line 3 per example: two evaluations on the same batch (one at t = 0, where η_{-1} = 0)."""
+        """Line 3 per example: two evaluations on the same batch and random draws (dropout masks), whose
+        η-weighted difference would otherwise carry t times the masks' difference (one at t = 0: η_{-1} = 0)."""
         eta = float(self.t + 1)
         if self.x_prev is None:
             return eta * engine.gradients(batch, at=self.x)
-        return eta * engine.gradients(batch, at=self.x) - (eta - 1.0) * engine.gradients(batch, at=self.x_prev)
+        with engine.same_random_draws():
+            return eta * engine.gradients(batch, at=self.x) - (eta - 1.0) * engine.gradients(batch, at=self.x_prev)
 
     def apply(self, grads: list[torch.Tensor]) -> None:
         """Lines 4-7 from the privatized Δ̃_t; the model's parameters become y_{t+1}."""

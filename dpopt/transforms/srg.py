@@ -28,10 +28,12 @@ class RecursiveGradient(Transform):
         self.running: list[torch.Tensor] | None = None  # ∇_{t-1}
 
     def statistic(self, engine: PerExampleEngine, batch: Any) -> PerExampleGradients:
-        """Line 4: the per-example difference, before clipping (one evaluation where c = 0 or t = 0)."""
+        """Line 4: the per-example difference, before clipping (one evaluation where c = 0 or t = 0); both
+        points see the same random draws (dropout masks)."""
         if self.previous is None or self.decay == 0.0:
             return engine.gradients(batch)
-        return engine.gradients(batch) - self.decay * engine.gradients(batch, at=self.previous)
+        with engine.same_random_draws():
+            return engine.gradients(batch) - self.decay * engine.gradients(batch, at=self.previous)
 
     def __call__(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Line 6, with ∇_{-1} = 0."""
