@@ -18,7 +18,7 @@ from dpopt.noise import SecretStream, build_noise
 from dpopt.privacy import AccountingError, PrivacyLedger
 from dpopt.train import TrainConfig, build_run, resume, train
 from dpopt.transforms import AcceleratedSRG, KalmanFilter, RecursiveGradient
-from helpers import mlp_loss, train_keeping_epoch_one
+from helpers import mlp_loss, quiet, train_keeping_epoch_one
 
 N, BATCH, EPOCHS = 24, 8, 2
 
@@ -36,10 +36,6 @@ def optimizer(model, algorithm, noise="mf", z=1.0, clip=1.0, batch=BATCH, **hp):
                        momentum=hp.get("momentum", 0.0))
     privatizer = Privatizer(Clipping(clip), mech, sampler, PrivacyLedger())
     return build_algorithm(algorithm, PerExampleEngine(model, mlp_loss), privatizer, Hyperparameters(**hp))
-
-
-def quiet(_):
-    pass
 
 
 def lr_of(dp):

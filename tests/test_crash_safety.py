@@ -14,16 +14,13 @@ from dpopt import train as train_module
 from dpopt.algorithms import Hyperparameters
 from dpopt.checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, save_checkpoint
 from dpopt.train import TrainConfig, resume, train
+from helpers import quiet
 from experiments.crash_safety import after_kill, same_run, watch
 
 # RDP: cheap epsilons; disk-adam: optimizer and transform state both have to survive a crash. A secret
 # seed (replayable noise) makes separately started runs comparable with their reference.
 TINY = TrainConfig(algorithm="disk-adam", model="logreg", epochs=3, noise_multiplier=1.0, accountant="rdp",
                    secret_seed=0, hp=Hyperparameters(lr=0.01))
-
-
-def quiet(_):
-    pass
 
 
 @pytest.fixture

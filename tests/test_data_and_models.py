@@ -9,6 +9,7 @@ from torch import nn
 from dpopt.data import datasets
 from dpopt.models import IMAGE_MODELS, build_model
 from dpopt.train import TrainConfig, train
+from helpers import quiet
 
 
 def test_mnist1d_is_built_offline_and_trains(monkeypatch):
@@ -92,7 +93,3 @@ def test_a_models_default_trainable_set_is_resolved_in_the_config_and_trains_onl
     assert [n for n, p in run.model.named_parameters() if p.requires_grad] == ["3.weight", "3.bias"]
     everything = train_module.build_run(TrainConfig(model="mlp", epochs=1, epsilon=2.0, trainable="."), log=quiet)
     assert all(p.requires_grad for p in everything.model.parameters())
-
-
-def quiet(_: str) -> None:
-    pass

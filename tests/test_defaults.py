@@ -11,14 +11,11 @@ from dpopt.algorithms import DEFAULTS, Hyperparameters
 from dpopt.cli import parser
 from dpopt.data.datasets import DATASET_EPOCHS, DEFAULT_EPOCHS
 from dpopt.train import TrainConfig, chance_warning, train
+from helpers import quiet
 
 # ``dpopt train --algorithm A --dataset digits --epsilon 2`` with every other flag at its default must reach these
 FLOORS = {**dict.fromkeys(["dp-sgd", "dp-adam", "dp-adamw", "disk-sgd", "disk-adam", "disk-adamw", "dp-ftrl",
                            "dp-memf", "dp-srg-memf", "accel-dp-srgd", "dp-srgd"], 0.85), "dp-grape": 0.80}
-
-
-def quiet(_):
-    pass
 
 
 @pytest.mark.parametrize("algorithm", sorted(FLOORS))

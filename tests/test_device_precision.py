@@ -16,14 +16,10 @@ from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.rng import SecretStream, derive_seed
 from dpopt.privacy import PrivacyLedger
 from dpopt.train import TrainConfig, train
-from tests.helpers import Zoo, zoo_batch, zoo_loss
+from tests.helpers import Zoo, quiet, zoo_batch, zoo_loss
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
-
-
-def quiet(_: str) -> None:
-    pass
 
 
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -4,7 +4,7 @@ once; secret randomness drawn on rank 0 keeps the ranks identical even in secure
 
 import pytest
 import torch
-from helpers import mlp_loss
+from helpers import mlp_loss, quiet
 from torch import nn
 
 from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
@@ -25,10 +25,6 @@ CONFIGS = {
     "dp-grape": TrainConfig(algorithm="dp-grape", hp=Hyperparameters(lr=0.01, rank=8), **BASE),  # projected
     "shuffle": TrainConfig(algorithm="dp-adam", sampling="shuffle", hp=Hyperparameters(lr=0.01), **BASE),
 }
-
-
-def quiet(_):
-    pass
 
 
 def _secure_steps(parallel: DataParallel | None, steps: int = 4) -> list[torch.Tensor]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import mlp_loss
+from helpers import mlp_loss, quiet
 from torch import nn
 
 from dpopt import train as train_module
@@ -23,10 +23,6 @@ from dpopt.noise.mechanisms import MAX_DENSE_STEPS, build_noise
 from dpopt.noise.rng import SecretStream
 from dpopt.privacy import PoissonSampling, PrivacyLedger, Relation, noise_multiplier_for
 from dpopt.train import TrainConfig, resume, run_noise_kind, train
-
-
-def quiet(_):
-    pass
 
 
 def refused(message: str, **fields) -> None:
@@ -168,7 +164,6 @@ def test_rows_that_cannot_be_attributed_to_examples():
     batch = (torch.randn(5, 2, 3), torch.randint(0, 2, (5,)))
     with pytest.raises(ExampleMixingError, match="do not match single-example backward passes"):
         PerExampleEngine(Regrouped(), mlp_loss).verify(batch)
-
 
 
 def test_every_row_of_the_error_table_names_an_existing_test():

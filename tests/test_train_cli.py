@@ -24,13 +24,9 @@ from dpopt import train as train_module
 from dpopt.privacy import PrivacyLedger
 from dpopt.privacy.statement import privacy_statement
 from dpopt.train import TrainConfig, bar_epsilon, extended, resume, train
-from helpers import train_keeping_epoch_one
+from helpers import quiet, train_keeping_epoch_one
 
 QUICK = dict(epochs=2, batch_size=128, epsilon=2.0)
-
-
-def quiet(_):
-    pass
 
 
 def test_account_and_calibrate_json(capsys):
