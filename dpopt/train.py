@@ -34,7 +34,8 @@ from dpopt.algorithms import (ALGORITHMS, DECAYED_WORKLOAD, DEFAULT_NOISE, NON_P
 from dpopt.algorithms.base import check_physical_batch_size
 from dpopt.checkpoint import CheckpointError, check_writable, load_checkpoint, save_checkpoint, write_atomic
 from dpopt.clipping import Clipping
-from dpopt.data.datasets import DATASETS, Dataset, check_dataset, default_epochs, labels_of, load_dataset
+from dpopt.data.datasets import (DATASET_MODEL, DATASETS, Dataset, check_dataset, default_epochs, default_model, labels_of,
+                                 load_dataset)
 from dpopt.data.samplers import SAMPLINGS, Sampler, make_sampler, sampler_state, take
 from dpopt.device import autocast_dtype, resolve_device, to_device
 from dpopt.distributed import DataParallel
@@ -62,7 +63,8 @@ DEFAULT_PHYSICAL_BATCH = 256
 class TrainConfig:
     algorithm: str = "dp-sgd"
     dataset: str = "digits"  # a built-in name, or a CSV, JSONL or Parquet file or save_to_disk folder
-    model: str = "mlp"  # a built-in name, hf:PATH (a save_pretrained folder) or module:function
+    model: str | None = None  # a built-in name, hf:PATH (a save_pretrained folder) or module:function; None: the
+    # dataset's default (default_model), set at construction
     text_column: str = "text"  # the columns of a dataset file
     label_column: str = "label"
     epsilon: float | None = None
@@ -97,6 +99,8 @@ class TrainConfig:
             object.__setattr__(self, "hp", Hyperparameters.for_algorithm(self.algorithm))
         if self.epochs is None:
             object.__setattr__(self, "epochs", default_epochs(self.dataset))
+        if self.model is None:
+            object.__setattr__(self, "model", default_model(self.dataset))
         if self.trainable is None:
             object.__setattr__(self, "trainable", MODEL_TRAINABLE.get(self.model))
 
@@ -241,6 +245,8 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel:
                       "releasing an example outright; use delta << 1/n", stacklevel=2)
     torch.manual_seed(derive_seed(config.seed, "public", "init"))
     device = resolve_device(config.device)
+    if DATASET_MODEL.get(config.dataset) == config.model:
+        log(f"model: {config.model} ({config.dataset}'s default; --model sets it)")
     model = build_model(config.model, data).to(device)
     model.train()  # from step 0 (from_pretrained returns eval mode), as the HF Trainer and Opacus train
     if config.trainable is not None:

@@ -24,8 +24,8 @@ from dpopt.train import TrainConfig, train
 
 RECIPES = ["dp-sgd", "dp-adam", "dp-adamw", "disk-sgd", "disk-adam", "disk-adamw", "dp-grape", "disk-grape",
            "dp-galore", "dp-ftrl", "dp-memf", "dp-srg-memf", "accel-dp-srgd", "dp-srgd"]
-PAIRS = ["digits/logreg", "breast-cancer/logreg", "mnist1d/mlp", "pima/mlp", "mnist/logreg", "mnist/mlp",
-         "sonar/logreg", "sonar/mlp", "ionosphere/logreg", "ionosphere/mlp", "golub/logreg"]
+PAIRS = ["digits/logreg", "breast-cancer/logreg", "breast-cancer/mlp", "mnist1d/mlp", "pima/mlp", "mnist/logreg",
+         "mnist/mlp", "sonar/logreg", "sonar/mlp", "ionosphere/logreg", "ionosphere/mlp", "golub/logreg"]
 OUT = Path(__file__).resolve().parent / "results" / "defaults_matrix"
 
 

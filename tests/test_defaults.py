@@ -9,7 +9,7 @@ import torch
 
 from dpopt.algorithms import DEFAULTS, Hyperparameters
 from dpopt.cli import parser
-from dpopt.data.datasets import DATASET_EPOCHS, DEFAULT_EPOCHS
+from dpopt.data.datasets import DATASET_EPOCHS, DATASET_MODEL, DEFAULT_EPOCHS, DEFAULT_MODEL
 from dpopt.train import TrainConfig, chance_warning, train
 from helpers import quiet
 
@@ -81,6 +81,20 @@ def test_epochs_default_to_the_datasets_own_in_the_cli_and_the_api():
     assert epochs("--dataset", "golub") == TrainConfig(dataset="golub").epochs == DATASET_EPOCHS["golub"] == 1
     assert epochs("--dataset", "golub", "--epochs", "5") == TrainConfig(dataset="golub", epochs=5).epochs == 5
     assert TrainConfig.from_dict(TrainConfig(dataset="golub").to_dict()).epochs == 1
+
+
+def test_the_model_defaults_to_the_datasets_own_in_the_cli_and_the_api():
+    """Golub trains the logistic regression (its MLP stays at the majority class), text sets the sentence
+    embedder (the MLP takes no text), every other set the MLP; a given --model wins and is kept on reload."""
+    def model(*argv):
+        args = parser().parse_args(["train", *argv])
+        return TrainConfig(dataset=args.dataset, model=args.model).model
+
+    assert model() == TrainConfig().model == DEFAULT_MODEL == "mlp"
+    assert model("--dataset", "golub") == TrainConfig(dataset="golub").model == DATASET_MODEL["golub"] == "logreg"
+    assert model("--dataset", "rotten-tomatoes-512") == "minilm"
+    assert model("--dataset", "golub", "--model", "mlp") == TrainConfig(dataset="golub", model="mlp").model == "mlp"
+    assert TrainConfig.from_dict(TrainConfig(dataset="golub").to_dict()).model == "logreg"
 
 
 def test_a_run_at_chance_warns_that_every_update_was_clipped():
