@@ -17,8 +17,8 @@ from typing import Any, Callable, NoReturn, Sequence
 from dpopt.algorithms import ALGORITHMS, DEFAULTS, NON_PRIVATE, Hyperparameters
 from dpopt.checkpoint import CHECKPOINT, CheckpointError, check_writable, claim_run_folder, load_checkpoint
 from dpopt.clipping import CLIP_MODES
-from dpopt.data.datasets import (DATASET_EPOCHS, DATASET_MODEL, DATASETS, DEFAULT_EPOCHS, DEFAULT_MODEL, DatasetNotFound,
-                                 check_dataset)
+from dpopt.data.datasets import (DATASET_EPOCHS, DATASET_MODEL, DATASETS, DEFAULT_EPOCHS, DEFAULT_MODEL,
+                                 DatasetNotFound, check_dataset)
 from dpopt.data.samplers import SAMPLINGS
 from dpopt.device import add_device_arguments
 from dpopt.distributed import DataParallel, from_environment, launch
@@ -114,9 +114,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    "strings numbered in sorted order)")
     p.add_argument("--model", type=_checked(check_model, MODELS),
                    help=f"{', '.join(MODELS)} (default: {DEFAULT_MODEL}; "
-                        + "; ".join(f"{m} for {name}" for name, m in DATASET_MODEL.items()) + f"); or your own: hf:PATH (a save_pretrained folder, loaded as a sequence "
-                        "classifier; its tokenizer tokenizes the text) or module:function (function(dataset) -> "
-                        "nn.Module)")
+                        + "; ".join(f"{m} for {name}" for name, m in DATASET_MODEL.items())
+                        + "); or your own: hf:PATH (a save_pretrained folder, loaded as a sequence classifier; its "
+                          "tokenizer tokenizes the text) or module:function (function(dataset) -> nn.Module)")
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--epsilon", type=float, help=f"target epsilon (default {DEFAULT_EPSILON} unless "
                         "--noise-multiplier is given, or the algorithm is non-private: "

@@ -34,8 +34,8 @@ from dpopt.algorithms import (ALGORITHMS, DECAYED_WORKLOAD, DEFAULT_NOISE, NON_P
 from dpopt.algorithms.base import check_physical_batch_size
 from dpopt.checkpoint import CheckpointError, check_writable, load_checkpoint, save_checkpoint, write_atomic
 from dpopt.clipping import Clipping
-from dpopt.data.datasets import (DATASET_MODEL, DATASETS, Dataset, check_dataset, default_epochs, default_model, labels_of,
-                                 load_dataset)
+from dpopt.data.datasets import (DATASET_MODEL, DATASETS, Dataset, check_dataset, default_epochs, default_model,
+                                 labels_of, load_dataset)
 from dpopt.data.samplers import SAMPLINGS, Sampler, make_sampler, sampler_state, take
 from dpopt.device import autocast_dtype, resolve_device, to_device
 from dpopt.distributed import DataParallel
