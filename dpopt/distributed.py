@@ -45,11 +45,16 @@ class DataParallel:
                              "the processes with torchrun, call torch.distributed.init_process_group, or use "
                              "`dpopt train --nproc N`")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        backend = str(dist.get_backend())
-        # Small messages (indices, counts) travel as CPU tensors unless NCCL is the only backend;
-        # model-sized sums stay on their own device unless gloo is the only backend.
-        self._small = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        self._cpu_only = backend == "gloo"
+        self._carries = device_types(dist.get_backend_config())
+        # Small messages (indices, counts) travel as CPU tensors where the group carries them.
+        self._small = self._carrier(torch.device("cpu"))
+
+    def _carrier(self, device: torch.device) -> torch.device:
+        """Where a tensor on ``device`` travels: its own device if the group carries that type, else the one the
+        group carries (the CPU for a gloo group, the current GPU for an NCCL group)."""
+        if device.type in self._carries:
+            return device
+        return torch.device("cpu") if "cpu" in self._carries else torch.device("cuda", torch.cuda.current_device())
 
     @property
     def lead(self) -> bool:
@@ -72,7 +77,7 @@ class DataParallel:
         """The global sum of every rank's ``sums`` with ``add_noise`` applied once, on rank 0; every rank
         gets the same result (one flat buffer: a reduce to rank 0, then a broadcast)."""
         home = sums[0].device
-        comm = torch.device("cpu") if self._cpu_only else home
+        comm = self._carrier(home)
         shapes, sizes = [s.shape for s in sums], [s.numel() for s in sums]
         flat = torch.cat([s.reshape(-1) for s in sums]).to(comm)
         dist.reduce(flat, 0)
@@ -94,7 +99,7 @@ class DataParallel:
     def broadcast_(self, tensors: Sequence[torch.Tensor]) -> None:
         """Overwrite ``tensors`` on every rank with rank 0's values."""
         for t in tensors:
-            buf = t.detach().to(torch.device("cpu") if self._cpu_only else t.device)
+            buf = t.detach().to(self._carrier(t.device))
             dist.broadcast(buf, 0)
             if buf is not t:
                 t.copy_(buf)
@@ -119,10 +124,18 @@ class DataParallel:
         return value
 
 
+def device_types(config: str) -> set[str]:
+    """The device types whose tensors a group's collectives take, from ``torch.distributed.get_backend_config()``
+    ('cpu:gloo,cuda:nccl'; 'cuda:nccl' where ``init_process_group()`` with no backend found a GPU). Gloo's CUDA
+    side is left out: it has no reduce for CUDA tensors."""
+    pairs = (part.strip().split(":") for part in config.split(","))
+    return {device for device, name in pairs if device == "cpu" or name != "gloo"}
+
+
 def from_environment() -> DataParallel | None:
     """The group a launcher such as torchrun describes in the environment (RANK, WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT), initialised if needed with gloo for CPU tensors and NCCL for CUDA tensors; None when
-    WORLD_SIZE is unset or 1."""
+    MASTER_PORT), initialised if needed with torch's default backend (NCCL alone where there is a GPU, else
+    gloo); None when WORLD_SIZE is unset or 1."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
     if not dist.is_initialized():

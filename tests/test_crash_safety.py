@@ -2,7 +2,7 @@
 checkpoints are never half-written and the ledger never loses or double-counts a step.
 
 The full experiment (20 kills over four algorithms, through the CLI) is ``dpopt reproduce crash_safety``;
-this is its small version: forked runs of a tiny model, killed at random instants."""
+this is its small version: spawned runs of a tiny model, killed at random instants."""
 
 import multiprocessing
 import random
@@ -23,9 +23,16 @@ TINY = TrainConfig(algorithm="disk-adam", model="logreg", epochs=3, noise_multip
                    secret_seed=0, hp=Hyperparameters(lr=0.01))
 
 
+def _train_on_one_thread(config: TrainConfig, folder) -> None:
+    """A spawned child's run (fork breaks autograd once CUDA's autograd threads exist, as under the suite on a GPU
+    machine): bitwise equality needs the reference's thread count."""
+    torch.set_num_threads(1)
+    train(config, folder, progress=False, log=quiet)
+
+
 @pytest.fixture
 def one_thread():
-    """Bitwise equality needs the same thread count in every process (forked children inherit it)."""
+    """Bitwise equality needs the same thread count in every process."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -35,12 +42,12 @@ def one_thread():
 def test_sigkill_at_random_instants_then_resume_is_exact(tmp_path, one_thread):
     config = TrainConfig(**{**TINY.__dict__, "checkpoint_every": 1})
     train(config, tmp_path / "reference", progress=False, log=quiet)
-    fork = multiprocessing.get_context("fork")
+    spawn = multiprocessing.get_context("spawn")
     rng = random.Random(0)
     cut_writes = 0
     for i in range(3):
         folder = tmp_path / f"killed{i}"
-        child = fork.Process(target=train, args=(config, folder), kwargs=dict(progress=False, log=quiet))
+        child = spawn.Process(target=_train_on_one_thread, args=(config, folder))
         child.start()
         seen = watch(child, folder, kill_after_first=rng.uniform(0.0, 0.1))
         assert seen["killed"] and seen["returncode"] == -9

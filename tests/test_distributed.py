@@ -2,8 +2,11 @@
 tolerance, epsilon and ledger exactly) for recipes whose statistics have different shapes; noise is added
 once; secret randomness drawn on rank 0 keeps the ranks identical even in secure mode."""
 
+import dataclasses
+
 import pytest
 import torch
+import torch.distributed as dist
 from helpers import mlp_loss, quiet
 from torch import nn
 
@@ -15,7 +18,7 @@ from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.rng import SecretStream
 from dpopt.privacy import PrivacyLedger
 from dpopt.cli import main
-from dpopt.distributed import DataParallel, launch
+from dpopt.distributed import DataParallel, device_types, launch
 from dpopt.train import TrainConfig, train
 
 BASE = dict(model="mlp", epochs=1, noise_multiplier=1.0, accountant="rdp", secret_seed=0)  # one run, twice
@@ -94,6 +97,48 @@ def test_the_ranks_share_one_global_poisson_batch(two_processes):
 def test_only_rank_zero_writes(two_processes):
     written = {p.name for p in (two_processes / "dp-sgd").iterdir()} - {"tensorboard"}  # where it is installed
     assert written == {"checkpoint.pt", "curves.png", "metrics.json", "model", "train.log"}
+
+
+def _group_of_one(rank: int, backend: str | None, store, folder) -> None:
+    """One process in a CUDA process group of one (``backend`` None: torch's pair, gloo for CPU tensors and NCCL
+    for CUDA tensors), training each CUDA config."""
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=1)
+    parallel = DataParallel()
+    try:
+        for name, config in CUDA_CONFIGS.items():
+            metrics = train(config, folder / name, progress=False, log=quiet, parallel=parallel)
+            torch.save(metrics, folder / f"{name}.pt")
+    finally:
+        parallel.close()
+
+
+CUDA_CONFIGS = {name: dataclasses.replace(CONFIGS[name], device="cuda") for name in ("dp-sgd", "disk-adam")}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["nccl", None])
+def test_a_cuda_run_in_an_nccl_group_of_one_is_the_plain_cuda_run(backend, tmp_path):
+    """The NCCL paths (indices, counts and objects as CUDA tensors; sums reduced on the GPU): a group of one
+    must give the run that no group gives (one GPU cannot host two NCCL ranks)."""
+    torch.multiprocessing.spawn(_group_of_one, args=(backend, tmp_path / "store", tmp_path), nprocs=1)
+    for name, config in CUDA_CONFIGS.items():
+        one = train(config, tmp_path / f"plain-{name}", progress=False, log=quiet)
+        group = torch.load(tmp_path / f"{name}.pt", weights_only=False)
+        assert group["device"].startswith("cuda") and group["steps"] == one["steps"] > 0
+        assert group["epsilon"] == one["epsilon"] and group["ledger"] == one["ledger"]
+        a = torch.load(tmp_path / f"plain-{name}" / "checkpoint.pt")["model"]
+        b = torch.load(tmp_path / name / "checkpoint.pt")["model"]
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("config,types", [("cpu:gloo,cuda:gloo", {"cpu"}), ("cuda:nccl", {"cuda"}),
+                                          ("cpu:gloo,cuda:nccl", {"cpu", "cuda"})])
+def test_a_group_sends_each_tensor_where_its_backend_carries_it(config, types):
+    """Indices and counts go as CPU tensors only where a CPU backend is there: init_process_group() with no backend
+    gives an NCCL-only group on a GPU machine ('cuda:nccl'), which refused them on an H200 ('No backend type
+    associated with device type cpu'); gloo's CUDA side cannot reduce."""
+    assert device_types(config) == types
 
 
 def test_bad_parallel_input(monkeypatch, capsys):

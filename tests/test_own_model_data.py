@@ -190,6 +190,7 @@ def test_bad_own_model_or_data_exits_2_with_a_short_message(bert, builders, tmp_
     datasets.Dataset.from_dict(reviews()).to_csv(tmp_path / "reviews.csv", index=False)
     (tmp_path / "notes.txt").write_text("hello")
     (tmp_path / "empty").mkdir()
+    capsys.readouterr()  # the CSV writer's own output (datasets' progress bar, where another test enabled it)
     argv = [a.replace("hf:BERT", f"hf:{bert}") for a in argv]
     defaults = ["--dataset", "reviews.csv", "--text-column", "review", "--label-column", "sentiment", "--model",
                 f"hf:{bert}"]
