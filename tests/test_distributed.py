@@ -18,6 +18,7 @@ from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.rng import SecretStream
 from dpopt.privacy import PrivacyLedger
 from dpopt.cli import main
+from dpopt import distributed
 from dpopt.distributed import DataParallel, device_types, launch
 from dpopt.train import TrainConfig, train
 
@@ -139,6 +140,23 @@ def test_a_group_sends_each_tensor_where_its_backend_carries_it(config, types):
     gives an NCCL-only group on a GPU machine ('cuda:nccl'), which refused them on an H200 ('No backend type
     associated with device type cpu'); gloo's CUDA side cannot reduce."""
     assert device_types(config) == types
+
+
+@pytest.mark.parametrize("local_rank,visible,gpu", [("3", 8, 3), ("3", 1, 0), (None, 8, None)])
+def test_under_torchrun_each_process_takes_its_local_ranks_gpu(monkeypatch, local_rank, visible, gpu):
+    """torchrun --nproc-per-node 8 on 8 GPUs: rank r works on GPU r, not all on GPU 0 (which NCCL refuses); with one
+    GPU visible per process (CUDA_VISIBLE_DEVICES), on that one."""
+    chosen = []
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    if local_rank is not None:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # the group itself is not what this test is about
+    monkeypatch.setattr(distributed, "DataParallel", lambda: "parallel")
+    assert distributed.from_environment() == "parallel"
+    assert chosen == ([] if gpu is None else [gpu])
 
 
 def test_bad_parallel_input(monkeypatch, capsys):
