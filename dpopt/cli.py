@@ -22,6 +22,7 @@ from dpopt.data.datasets import (DATASET_EPOCHS, DATASET_MODEL, DATASETS, DEFAUL
 from dpopt.data.samplers import SAMPLINGS
 from dpopt.device import add_device_arguments
 from dpopt.distributed import DataParallel, from_environment, launch
+from dpopt.extras import MissingExtra
 from dpopt.grad.engine import MODES, STRATEGIES
 from dpopt.models import MODEL_TRAINABLE, MODELS, check_model
 from dpopt.noise.mechanisms import NOISES
@@ -422,7 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = argv or ["train"]
     try:
         return COMMANDS[args.command][1](args)
-    except (ValueError, AccountingError, DatasetNotFound, CheckpointError) as e:
+    except (ValueError, AccountingError, DatasetNotFound, CheckpointError, MissingExtra) as e:
         top.exit(2, f"dpopt: error: {e}\n")
 
 

@@ -15,6 +15,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Callable
 
 import torch
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpopt.data.datasets import Dataset
+from dpopt.extras import require
 
 
 def logreg(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
@@ -43,9 +45,8 @@ def cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
         nn.Flatten(), nn.Linear(32 * 4 * 4, 32), nn.Tanh(), nn.Linear(32, num_classes))
 
 
-def _quiet_transformers():
-    import transformers
-
+def _quiet_transformers() -> ModuleType:
+    transformers = require("transformers", "hf", "a Hugging Face model")
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     return transformers

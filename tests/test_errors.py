@@ -2,14 +2,17 @@
 
 import dataclasses
 import math
+import importlib
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import mlp_loss, quiet
 from torch import nn
 
+from dpopt import extras
 from dpopt import train as train_module
 from dpopt.algorithms import Hyperparameters
 from dpopt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -173,3 +176,29 @@ def test_every_row_of_the_error_table_names_an_existing_test():
     for module, test in sorted(refs):
         source = Path(__file__).with_name(f"{module}.py").read_text()
         assert re.search(rf"^def {test}\(", source, re.M), f"docs/errors.md cites {module}::{test}, which is missing"
+
+
+
+@pytest.mark.parametrize("module,argv,extra", [
+    ("rdata", ["--dataset", "ionosphere"], "tabular"),
+    ("datasets", ["--dataset", "rows.csv", "--label-column", "y"], "files"),
+    ("transformers", ["--dataset", "rows.csv", "--text-column", "t", "--label-column", "y", "--model", "hf:model"],
+     "hf"),
+])
+def test_a_missing_extra_is_one_line_naming_what_to_install(module, argv, extra, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    Path("rows.csv").write_text("x,t,y\n0.5,good,1\n-0.5,bad,0\n0.25,fine,1\n")
+    Path("model").mkdir()
+    for file in ("config.json", "tokenizer.json"):
+        Path("model", file).write_text("{}")
+    def import_module(name: str):
+        if name == module:
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return importlib.import_module(name)
+
+    monkeypatch.setattr(extras, "importlib", SimpleNamespace(import_module=import_module))  # as if not installed
+    with pytest.raises(SystemExit) as e:
+        main(["train", *argv, "--epochs", "1", "--no-progress"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("dpopt: error: ") and f"needs the {module} package: pip install 'dpopt[{extra}]'" in err

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from dpopt.data.datasets import Dataset
+from dpopt.extras import require
 
 FILE_TYPES = {".csv": "csv", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 HELD_OUT = 0.1  # the test fraction of a file without a test split, drawn with seed 0
@@ -37,8 +38,7 @@ def check_path(path: str | Path) -> None:
 
 def _read(path: Path) -> tuple[Any, Any, str]:
     """The train split, the test split (None: none saved) and how they were found."""
-    import datasets
-
+    datasets = require("datasets", "files", "a dataset file")
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     if path.is_dir():
@@ -67,8 +67,7 @@ def _hold_out(train: Any) -> tuple[Any, Any]:
 
 def _labels(train: Any, test: Any, column: str) -> tuple[list[int], list[int], int, tuple[str, ...] | None]:
     """Label ids of both splits, the number of classes and the class names (None: the labels were ids)."""
-    import datasets
-
+    datasets = require("datasets", "files", "a dataset file")
     feature = train.features[column]
     if isinstance(feature, datasets.ClassLabel):
         return list(train[column]), list(test[column]), feature.num_classes, tuple(feature.names)

