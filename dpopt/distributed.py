@@ -45,7 +45,11 @@ class DataParallel:
                              "the processes with torchrun, call torch.distributed.init_process_group, or use "
                              "`dpopt train --nproc N`")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self._carries = device_types(dist.get_backend_config())
+        config = dist.get_backend_config()
+        self._carries = device_types(config)
+        if not self._carries & {"cpu", "cuda"}:
+            raise ValueError(f"the process group's backends ({config}) carry neither CPU nor CUDA tensors; "
+                             "initialise it with backend 'gloo' (CPU), 'nccl' (CUDA) or 'cpu:gloo,cuda:nccl'")
         # Small messages (indices, counts) travel as CPU tensors where the group carries them.
         self._small = self._carrier(torch.device("cpu"))
 

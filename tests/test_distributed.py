@@ -134,12 +134,21 @@ def test_a_cuda_run_in_an_nccl_group_of_one_is_the_plain_cuda_run(backend, tmp_p
 
 
 @pytest.mark.parametrize("config,types", [("cpu:gloo,cuda:gloo", {"cpu"}), ("cuda:nccl", {"cuda"}),
-                                          ("cpu:gloo,cuda:nccl", {"cpu", "cuda"})])
+                                          ("cpu:gloo,cuda:nccl", {"cpu", "cuda"}), ("mps:gloo", set())])
 def test_a_group_sends_each_tensor_where_its_backend_carries_it(config, types):
     """Indices and counts go as CPU tensors only where a CPU backend is there: init_process_group() with no backend
     gives an NCCL-only group on a GPU machine ('cuda:nccl'), which refused them on an H200 ('No backend type
     associated with device type cpu'); gloo's CUDA side cannot reduce."""
     assert device_types(config) == types
+
+
+def test_a_group_that_carries_neither_cpu_nor_cuda_tensors_is_refused(monkeypatch):
+    """init_process_group() with no backend on a Mac gives 'mps:gloo': nothing dpopt's collectives can use."""
+    for name, value in [("is_initialized", True), ("get_rank", 0), ("get_world_size", 1),
+                        ("get_backend_config", "mps:gloo")]:
+        monkeypatch.setattr(dist, name, lambda value=value: value)
+    with pytest.raises(ValueError, match=r"carry neither CPU nor CUDA tensors; initialise it with backend 'gloo'"):
+        DataParallel()
 
 
 @pytest.mark.parametrize("local_rank,visible,gpu", [("3", 8, 3), ("3", 1, 0), (None, 8, None)])
