@@ -18,7 +18,7 @@ from torch import nn
 
 from dpopt.algorithms.base import DPOptimizer, Privatizer
 from dpopt.algorithms.first_order import ADAM_DEFAULTS
-from dpopt.algorithms.registry import Hyperparameters, register
+from dpopt.algorithms.registry import Hyperparameters, StepRule, register
 from dpopt.grad.engine import PerExampleEngine
 from dpopt.grad.projection import EXCLUDE, RandomProjection, SVDProjection, parse_exclude, projectable
 from dpopt.transforms.projected_adam import ProjectedAdam
@@ -33,7 +33,12 @@ def dp_grape(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparamete
     return DPOptimizer(engine, privatizer, update, transforms=[projection])
 
 
-@register("dp-galore", defaults=ADAM_DEFAULTS)
+# Twice the Adam family's rule: at 0.15 / sqrt(T) DP-GaLore missed on the ViT (76.92% against dp-sgd's 87.14);
+# 0.3 / sqrt(T) gives 83.54% there and keeps every other pair learning (docs/defaults.md, fifth round).
+GALORE_DEFAULTS = {"lr": StepRule(0.3, 0.5)}
+
+
+@register("dp-galore", defaults=GALORE_DEFAULTS)
 def dp_galore(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
     projection = SVDProjection.on(engine, hp.rank, hp.subspace_every, parse_exclude(hp.projection_exclude))
     update = ProjectedAdam(engine.params, projection, hp.lr, hp.betas, hp.eps, hp.weight_decay, hp.reset_moments)
