@@ -34,7 +34,7 @@ def dp_grape(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparamete
 
 
 # Twice the Adam family's rule: at 0.15 / sqrt(T) DP-GaLore missed on the ViT (76.92% against dp-sgd's 87.14);
-# 0.3 / sqrt(T) gives 83.54% there and keeps every other pair learning (docs/defaults.md, fifth round).
+# 0.3 / sqrt(T) gives 83.13% there and keeps every other pair learning (docs/defaults.md, fifth round).
 GALORE_DEFAULTS = {"lr": StepRule(0.3, 0.5)}
 
 
