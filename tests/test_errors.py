@@ -18,6 +18,7 @@ from dpopt.algorithms import Hyperparameters
 from dpopt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from dpopt.cli import main
 from dpopt.clipping import Clipping
+from dpopt.data import tabular
 from dpopt.data.datasets import Dataset, load_dataset
 from dpopt.data.samplers import PoissonSampler
 from dpopt.grad.engine import ExampleMixingError, PerExampleEngine, batch_size_of
@@ -197,6 +198,7 @@ def test_a_missing_extra_is_one_line_naming_what_to_install(module, argv, extra,
         return importlib.import_module(name)
 
     monkeypatch.setattr(extras, "importlib", SimpleNamespace(import_module=import_module))  # as if not installed
+    monkeypatch.setattr(tabular, "_r_file", lambda package, file: tmp_path / file)  # the R data, found
     with pytest.raises(SystemExit) as e:
         main(["train", *argv, "--epochs", "1", "--no-progress"])
     err = capsys.readouterr().err

@@ -56,8 +56,8 @@ def tabular_arrays(name: str) -> tuple[np.ndarray, np.ndarray]:
     if name not in SOURCES:
         raise ValueError(f"unknown tabular dataset {name!r}; choose one of {', '.join(TABULAR)}")
     package, file, obj, label, positive = SOURCES[name]
-    rdata = require("rdata", "tabular", f"reading {name} (an R data file)")
     path = _r_file(package, file)
+    rdata = require("rdata", "tabular", f"reading {name} (an R data file)")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # rdata: "Unknown encoding. Assumed ASCII."
         data = rdata.read_rda(str(path))
