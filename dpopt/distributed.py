@@ -138,15 +138,17 @@ def device_types(config: str) -> set[str]:
 
 def from_environment() -> DataParallel | None:
     """The group a launcher such as torchrun describes in the environment (RANK, WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT), initialised if needed with torch's default backend (NCCL alone where there is a GPU, else
-    gloo); None when WORLD_SIZE is unset or 1. Where there are GPUs, each process takes its LOCAL_RANK's (NCCL
-    refuses two ranks on one GPU; with one GPU visible per process, that one)."""
+    MASTER_PORT), initialised if needed: where there are GPUs with torch's default backend (NCCL alone), each
+    process on its LOCAL_RANK's GPU (NCCL refuses two ranks on one GPU; with one GPU visible per process, that
+    one); elsewhere with gloo (torch's default on a Mac, 'mps:gloo', carries no CPU tensors). None when
+    WORLD_SIZE is unset or 1."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
-    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+    gpus = torch.cuda.is_available()
+    if gpus and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
     if not dist.is_initialized():
-        dist.init_process_group()
+        dist.init_process_group(None if gpus else "gloo")
     return DataParallel()
 
 

@@ -168,6 +168,19 @@ def test_under_torchrun_each_process_takes_its_local_ranks_gpu(monkeypatch, loca
     assert chosen == ([] if gpu is None else [gpu])
 
 
+@pytest.mark.parametrize("gpus,backend", [(True, None), (False, "gloo")])
+def test_under_torchrun_the_group_is_gloo_unless_there_are_gpus(monkeypatch, gpus, backend):
+    """With GPUs: torch's default (NCCL); elsewhere gloo, whose group carries CPU tensors also on a Mac."""
+    started = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", started.append)
+    monkeypatch.setattr(distributed, "DataParallel", lambda: "parallel")
+    assert distributed.from_environment() == "parallel" and started == [backend]
+
+
 def test_bad_parallel_input(monkeypatch, capsys):
     with pytest.raises(ValueError, match="process group"):
         DataParallel()
