@@ -100,9 +100,12 @@ def test_only_rank_zero_writes(two_processes):
     assert written == {"checkpoint.pt", "curves.png", "metrics.json", "model", "train.log"}
 
 
+CUDA_CONFIGS = {name: dataclasses.replace(CONFIGS[name], device="cuda") for name in ("dp-sgd", "disk-adam")}
+
+
 def _group_of_one(rank: int, backend: str | None, store, folder) -> None:
-    """One process in a CUDA process group of one (``backend`` None: torch's pair, gloo for CPU tensors and NCCL
-    for CUDA tensors), training each CUDA config."""
+    """One process in a process group of one (``backend`` None: torch's default, NCCL alone on a GPU machine, what
+    torchrun users get), training each CUDA config."""
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=1)
     parallel = DataParallel()
     try:
@@ -111,9 +114,6 @@ def _group_of_one(rank: int, backend: str | None, store, folder) -> None:
             torch.save(metrics, folder / f"{name}.pt")
     finally:
         parallel.close()
-
-
-CUDA_CONFIGS = {name: dataclasses.replace(CONFIGS[name], device="cuda") for name in ("dp-sgd", "disk-adam")}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

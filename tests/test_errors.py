@@ -1,8 +1,8 @@
 """Bad input gets a clear error: the rows of docs/errors.md that no other test file covers."""
 
 import dataclasses
-import math
 import importlib
+import math
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -179,7 +179,6 @@ def test_every_row_of_the_error_table_names_an_existing_test():
         assert re.search(rf"^def {test}\(", source, re.M), f"docs/errors.md cites {module}::{test}, which is missing"
 
 
-
 @pytest.mark.parametrize("module,argv,extra", [
     ("rdata", ["--dataset", "ionosphere"], "tabular"),
     ("datasets", ["--dataset", "rows.csv", "--label-column", "y"], "files"),
@@ -192,6 +191,7 @@ def test_a_missing_extra_is_one_line_naming_what_to_install(module, argv, extra,
     Path("model").mkdir()
     for file in ("config.json", "tokenizer.json"):
         Path("model", file).write_text("{}")
+
     def import_module(name: str):
         if name == module:
             raise ModuleNotFoundError(f"No module named {name!r}")
