@@ -155,8 +155,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                         help="draw every secret number from OS entropy and store no key, not even in the "
                              "checkpoint (a resumed run continues with fresh randomness)")
     p.add_argument("--sampling", default=d.sampling, choices=["auto", *SAMPLINGS],
-                   help="poisson (amplified accounting) or shuffle/fixed (accounted without amplification); "
-                   "auto: poisson for gaussian noise, fixed for correlated noise")
+                   help="poisson (amplified accounting), cyclic (Poisson within --bands groups taken in turn: "
+                   "amplified, for gaussian or banded noise) or shuffle/fixed (accounted without amplification); "
+                   "auto: cyclic for dp-memf/dp-srg-memf's own noise at an --epsilon (amplified BandMF), poisson "
+                   "for gaussian noise, fixed for other correlated noise")
     p.add_argument("--noise", default=d.noise, choices=["auto", *NOISES],
                    help="noise mechanism: gaussian (iid) or correlated (tree, sqrt, banded, mf; need fixed-order "
                    "batches); auto: the algorithm's own (dp-ftrl: tree, dp-memf/dp-srg-memf: mf, "

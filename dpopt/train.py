@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from dpopt.algorithms import (ALGORITHMS, DECAYED_WORKLOAD, DEFAULT_NOISE, NON_PRIVATE, DPOptimizer,
-                              Hyperparameters, Privatizer, StepRule, build_algorithm)
+from dpopt.algorithms import (ALGORITHMS, DECAYED_WORKLOAD, DEFAULT_NOISE, DEFAULT_SAMPLING, NON_PRIVATE,
+                              DPOptimizer, Hyperparameters, Privatizer, StepRule, build_algorithm)
 from dpopt.algorithms.base import check_physical_batch_size
 from dpopt.checkpoint import CheckpointError, check_writable, load_checkpoint, save_checkpoint, write_atomic
 from dpopt.clipping import Clipping
@@ -41,12 +41,13 @@ from dpopt.device import autocast_dtype, resolve_device, to_device
 from dpopt.distributed import DataParallel
 from dpopt.grad.engine import MODES, STRATEGIES, PerExampleEngine, check_per_example
 from dpopt.models import MODEL_TRAINABLE, build_model, check_model, hf_folder
+from dpopt.noise import factorizations as fz
 from dpopt.noise.correlated import CorrelatedNoise
 from dpopt.noise.gaussian import GaussianNoise
-from dpopt.noise.mechanisms import MAX_DENSE_STEPS, NOISES, build_noise
+from dpopt.noise.mechanisms import MAX_DENSE_STEPS, NOISES, amplified_bands, build_noise
 from dpopt.noise.rng import SecretStream, derive_seed, secret_key
-from dpopt.privacy import (PoissonSampling, PrivacyLedger, Relation, advanced_composition_noise, check_budget,
-                           noise_multiplier_for)
+from dpopt.privacy import (CyclicPoissonSampling, PoissonSampling, PrivacyLedger, Relation, advanced_composition_noise,
+                           check_budget, noise_multiplier_for)
 from dpopt import report
 from dpopt.report import CURVES, LOG, TENSORBOARD, logging_to, plot_curves, tensorboard_writer
 from dpopt.privacy.ledger import ACCOUNTANTS
@@ -78,7 +79,8 @@ class TrainConfig:
     seed: int = 0  # public: initialisation, projections, directions, dropout; never the secret streams
     secret_seed: int | None = None  # replayable noise (reproductions, tests); None: a fresh OS-entropy key
     secure: bool = False  # every secret draw from OS entropy, no key stored anywhere (resume is not exact)
-    sampling: str = "auto"  # poisson for iid noise, fixed for correlated noise
+    sampling: str = "auto"  # the recipe's (DEFAULT_SAMPLING) with its own noise and an epsilon; else poisson for iid
+    # noise, fixed for correlated noise
     noise: str = "auto"  # the recipe's mechanism (DEFAULT_NOISE)
     accountant: str = "pld"
     relation: str = "add-remove"
@@ -162,6 +164,8 @@ class TrainConfig:
     def sampling_kind(self) -> str:
         if self.sampling != "auto":
             return self.sampling
+        if self.noise == "auto" and self.epsilon is not None and self.algorithm in DEFAULT_SAMPLING:
+            return DEFAULT_SAMPLING[self.algorithm]  # cyclic: its period is chosen for the epsilon
         return "poisson" if self.noise_kind == "gaussian" else "fixed"
 
     @property
@@ -263,7 +267,11 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel:
         key = secret_key(config.secret_seed)
     if config.batch_size is None:  # the config keeps the value the run uses
         config = dataclasses.replace(config, batch_size=min(DEFAULT_BATCH, n))
-    sampler = make_sampler(config.sampling_kind, n, config.batch_size, SecretStream(key, "sampling"))
+    if config.sampling_kind == "cyclic" and not config.hp.bands:  # the config keeps the period the run uses
+        config = dataclasses.replace(config, hp=dataclasses.replace(config.hp, bands=cyclic_period(config, n)))
+        log(f"cyclic sampling: period {config.hp.bands} (groups taken in turn, and the noise's bands), the least "
+            f"noise on the workload at epsilon {config.epsilon} (--bands sets it)")
+    sampler = make_sampler(config.sampling_kind, n, config.batch_size, SecretStream(key, "sampling"), config.hp.bands)
     total = config.epochs * sampler.steps_per_epoch
     if isinstance(rule := config.hp.lr, StepRule):  # set by the run's length: the config keeps the value used
         config = dataclasses.replace(config, hp=config.hp.for_run(total))
@@ -295,15 +303,30 @@ def freeze_all_but(model: nn.Module, pattern: str) -> str:
            f"{sum(p.numel() for p in model.parameters()):,} numbers) matching {pattern!r}"
 
 
+def cyclic_period(config: TrainConfig, n: int) -> int:
+    """``amplified_bands`` for a run of ``config`` over ``n`` examples, on the workload its noise targets."""
+    if config.epsilon is None:
+        raise ValueError("--sampling cyclic chooses its period (and the noise's bands) for an --epsilon; with a "
+                         "--noise-multiplier give --bands")
+    steps, hp = config.epochs * max(1, round(n / config.batch_size)), config.hp
+    true = hp.workload == "true" and run_noise_kind(config, steps) != "sqrt"
+    workload = fz.workload_coefficients(steps, hp.momentum if true else 0.0,
+                                        hp.decay if true and config.algorithm in DECAYED_WORKLOAD else 0.0)
+    return amplified_bands(config.epsilon, config.delta, n, config.batch_size, steps, workload, config.accountant,
+                           config.relation)
+
+
 SLOW_FACTORIZATION_STEPS = 1024  # beyond it, optimising an mf or banded factorization takes minutes: say so
 
 
 def run_noise_kind(config: TrainConfig, steps: int) -> str:
     """The noise mechanism of a run of ``steps`` steps: ``config.noise_kind``, except that a recipe's default
-    dense ``mf`` (``--noise auto``) gives way to ``banded`` beyond ``MAX_DENSE_STEPS`` steps, where the dense
-    optimiser is out of reach (an explicit ``--noise mf`` is refused there instead)."""
+    dense ``mf`` (``--noise auto``) gives way to ``banded`` under cyclic sampling (which amplifies banded noise
+    only) and beyond ``MAX_DENSE_STEPS`` steps, where the dense optimiser is out of reach (an explicit
+    ``--noise mf`` is refused there instead)."""
     kind = config.noise_kind
-    return "banded" if config.noise == "auto" and kind == "mf" and steps > MAX_DENSE_STEPS else kind
+    banded = config.sampling_kind == "cyclic" or steps > MAX_DENSE_STEPS
+    return "banded" if config.noise == "auto" and kind == "mf" and banded else kind
 
 
 def build_run_noise(config: TrainConfig, sampler: Sampler, total: int, clip: float, stream: SecretStream,
@@ -316,12 +339,17 @@ def build_run_noise(config: TrainConfig, sampler: Sampler, total: int, clip: flo
         return GaussianNoise(0.0, clip, stream)
     kind, hp = run_noise_kind(config, total), config.hp
     true = hp.workload == "true"
-    if kind != config.noise_kind:
+    if kind != config.noise_kind and config.sampling_kind == "cyclic":
+        log(f"amplified BandMF: {kind} noise with {hp.bands} bands on cyclic Poisson sampling (the recipe's "
+            f"{config.noise_kind} noise is not amplified; --sampling fixed runs it on fixed-order batches)")
+    elif kind != config.noise_kind:
         log(f"{config.noise_kind} noise (the recipe's default) is out of reach over {total} steps (at most "
             f"{MAX_DENSE_STEPS}): using {kind} noise (BandMF) instead; --noise tree is faster to set up")
     if total > SLOW_FACTORIZATION_STEPS and (kind == "banded" or kind == "mf" and total <= MAX_DENSE_STEPS):
         log(f"optimising the {kind} factorization for {total} steps (once, before training; minutes at this size)")
-    noise = build_noise(kind, 0.0, clip, stream, total, sampler.steps_per_epoch, hp.tree_decoder, hp.bands,
+    # cyclic sampling: the factorization's sensitivity is one participation's, amplified (privacy.correlated)
+    period = total if isinstance(sampler.participation, CyclicPoissonSampling) else sampler.steps_per_epoch
+    noise = build_noise(kind, 0.0, clip, stream, total, period, hp.tree_decoder, hp.bands,
                         hp.momentum if true else 0.0,
                         hp.decay if true and config.algorithm in DECAYED_WORKLOAD else 0.0)
     release = None

@@ -197,15 +197,18 @@ def test_disk_runs_on_correlated_noise_at_the_base_methods_privacy_cost():
 
 
 # --- trainer and CLI ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("algorithm", ["dp-ftrl", "dp-memf", "dp-srg-memf", "accel-dp-srgd"])
-def test_cli_trains_each_correlated_algorithm(algorithm, tmp_path):
+@pytest.mark.parametrize("algorithm,sampling,noise,mechanism", [
+    ("dp-ftrl", "auto", "tree", "correlated-gaussian"), ("accel-dp-srgd", "auto", "tree", "correlated-gaussian"),
+    ("dp-memf", "auto", "banded", "gaussian"), ("dp-srg-memf", "auto", "banded", "gaussian"),  # amplified BandMF
+    ("dp-memf", "fixed", "mf", "correlated-gaussian")])
+def test_cli_trains_each_correlated_algorithm(algorithm, sampling, noise, mechanism, tmp_path):
     assert main(["train", "--algorithm", algorithm, "--epochs", "1", "--batch-size", "256", "--lr", "0.5",
                  "--momentum", "0.5" if algorithm != "accel-dp-srgd" else "0", "--workload", "true",
-                 "--no-progress", "--out", str(tmp_path)]) == 0
+                 "--sampling", sampling, "--no-progress", "--out", str(tmp_path)]) == 0
     m = json.loads((tmp_path / "metrics.json").read_text())
-    assert m["sampling"] == "fixed" and m["noise"] == ("tree" if algorithm in ("dp-ftrl", "accel-dp-srgd") else "mf")
+    assert m["sampling"] == ("cyclic" if noise == "banded" else "fixed") and m["noise"] == noise
     assert 0.995 * 2.0 <= m["epsilon"] <= 2.0 and m["test_accuracy"] > 0.3
-    assert m["ledger"]["entries"][0]["mechanism"] == "correlated-gaussian"
+    assert m["ledger"]["entries"][0]["mechanism"] == mechanism
 
 
 @pytest.mark.parametrize("noise,algorithm", [("tree", "dp-srg-memf"), ("banded", "disk-sgd")])

@@ -92,9 +92,10 @@ def test_dense_mf_noise_beyond_its_reach_is_refused_before_training(capsys):
     with pytest.raises(SystemExit) as e:  # digits, batch 1, 2 epochs: 2874 steps, refused before the first one
         main(["train", "--algorithm", "dp-memf", "--noise", "mf", "--batch-size", "1", "--epochs", "2", "--no-progress"])
     assert e.value.code == 2 and "use --noise tree, or banded" in capsys.readouterr().err
-    # by default (--noise auto) the recipe's dense mf gives way to banded noise there
-    config = TrainConfig(algorithm="dp-memf", epsilon=1.0)
+    # on fixed-order batches with --noise auto, the recipe's dense mf gives way to banded noise there
+    config = TrainConfig(algorithm="dp-memf", epsilon=1.0, sampling="fixed")
     assert run_noise_kind(config, MAX_DENSE_STEPS) == "mf" and run_noise_kind(config, MAX_DENSE_STEPS + 1) == "banded"
+    assert run_noise_kind(dataclasses.replace(config, sampling="auto"), 10) == "banded"  # amplified BandMF
     assert run_noise_kind(dataclasses.replace(config, noise="mf"), MAX_DENSE_STEPS + 1) == "mf"
 
 

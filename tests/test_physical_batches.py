@@ -64,6 +64,12 @@ def test_chunked_steps_release_what_the_whole_batch_releases(algorithm):
     assert_same_run(run_steps(algorithm, None, **FAMILIES[algorithm]), run_steps(algorithm, 7, **FAMILIES[algorithm]))
 
 
+def test_chunking_keeps_amplified_banded_noise():
+    """Cyclic Poisson batches and banded noise (dp-memf at a noise multiplier takes fixed order by default)."""
+    assert_same_run(run_steps("dp-memf", None, sampling="cyclic", bands=3),
+                    run_steps("dp-memf", 7, sampling="cyclic", bands=3))
+
+
 @pytest.mark.parametrize("clipping", ["per-layer", "automatic"])
 def test_chunking_keeps_per_layer_and_automatic_clipping(clipping):
     assert_same_run(run_steps("dp-sgd", None, clipping), run_steps("dp-sgd", 5, clipping))

@@ -1,5 +1,7 @@
 """Recipes with correlated noise (Choquette-Choo et al. 2024, spec ``dp_srgd.md``). Each picks a default
-noise mechanism (``--noise`` overrides it); all need fixed-order batches.
+noise mechanism (``--noise`` overrides it); all run on fixed-order batches, except that dp-memf and
+dp-srg-memf default to amplified BandMF: banded noise on cyclic Poisson sampling (Choquette-Choo et al. 2023),
+which measured better on every pair tried (docs/defaults.md); ``--sampling fixed`` gives their multi-epoch MF.
 
 * ``dp-ftrl`` — SGD (with optional momentum) on tree-aggregated noise (Kairouz et al. 2021; Sec. 2.4).
 * ``dp-memf`` — Alg. 2: momentum SGD on matrix-factorization noise optimised for the run's epochs.
@@ -34,10 +36,10 @@ def _sgd(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) 
 FTRL_LR = StepRule(0.465, 0.5)
 SRGD_LR = StepRule(3.1, 0.5, cap=0.2)
 register("dp-ftrl", noise="tree", defaults={"lr": FTRL_LR, "momentum": 0.9, "tree_decoder": "least-squares"})(_sgd)
-register("dp-memf", noise="mf", defaults={"lr": 0.3})(_sgd)
+register("dp-memf", noise="mf", sampling="cyclic", defaults={"lr": 0.3})(_sgd)
 
 
-@register("dp-srg-memf", noise="mf", decayed=True, defaults={"lr": 0.3})
+@register("dp-srg-memf", noise="mf", sampling="cyclic", decayed=True, defaults={"lr": 0.3})
 def dp_srg_memf(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
     srg = RecursiveGradient(hp.decay)
     return DPOptimizer(engine, privatizer, BASES["sgd"](engine.params, hp), transforms=[srg], statistic=srg.statistic)

@@ -72,7 +72,8 @@ class Hyperparameters:
                           "(accel-dp-srgd, dp-srgd; there lr is 1/beta)")
     workload: str = hyper("ones", "workload the optimised factorization targets (--noise mf, banded): ones "
                           "(prefix sums) or true (with --momentum and, for dp-srg-memf, --decay)")
-    bands: int = hyper(0, "bands of --noise banded/sqrt (0: one epoch's steps for banded, all for sqrt)")
+    bands: int = hyper(0, "bands of --noise banded/sqrt, and the period of --sampling cyclic (0: one epoch's steps "
+                          "for banded, all for sqrt; under cyclic sampling, chosen for the epsilon)")
     tree_decoder: str = hyper("sum", "--noise tree: sum (dyadic decomposition) or least-squares")
     smoothing: float = hyper(1e-3, "zeroth-order smoothing lambda: losses at x +/- lambda*u (dpzero, dpgd-0th, mezo)")
     direction: str = hyper("gaussian", "law of the zeroth-order direction u: gaussian N(0, I) or sphere of radius "
@@ -122,15 +123,17 @@ class Hyperparameters:
 Recipe = Callable[[PerExampleEngine, Privatizer, Hyperparameters], DPOptimizer]
 ALGORITHMS: dict[str, Recipe] = {}
 DEFAULT_NOISE: dict[str, str] = {}  # a recipe's noise mechanism unless --noise says otherwise
+DEFAULT_SAMPLING: dict[str, str] = {}  # a recipe's sampling with its own noise, unless --sampling says otherwise
 DECAYED_WORKLOAD: set[str] = set()  # recipes that privatize SRG increments: their "true" workload has --decay
 NON_PRIVATE: set[str] = set()  # baselines that release without noise: no privacy target, epsilon = inf
 DEFAULTS: dict[str, dict[str, Any]] = {}  # a recipe's own Hyperparameters defaults (tuned: docs/defaults.md)
 
 
 def register(name: str, noise: str = "gaussian", decayed: bool = False, private: bool = True,
-             defaults: dict[str, Any] | None = None) -> Callable[[Recipe], Recipe]:
-    """Add recipe ``name``: its default noise mechanism, and ``defaults`` for the Hyperparameters fields whose
-    global default does not suit it (applied where the user gives no value; an lr may be a ``StepRule``)."""
+             defaults: dict[str, Any] | None = None, sampling: str | None = None) -> Callable[[Recipe], Recipe]:
+    """Add recipe ``name``: its default noise mechanism, the sampling that goes with it (None: Poisson for
+    iid noise, fixed order for correlated noise), and ``defaults`` for the Hyperparameters fields whose global
+    default does not suit it (applied where the user gives no value; an lr may be a ``StepRule``)."""
     unknown = set(defaults or {}) - {f.name for f in fields(Hyperparameters)}
     if unknown:
         raise ValueError(f"{name}: defaults for unknown hyper-parameters {', '.join(sorted(unknown))}")
@@ -139,6 +142,8 @@ def register(name: str, noise: str = "gaussian", decayed: bool = False, private:
         ALGORITHMS[name] = recipe
         DEFAULTS[name] = dict(defaults or {})
         DEFAULT_NOISE[name] = noise
+        if sampling is not None:
+            DEFAULT_SAMPLING[name] = sampling
         if decayed:
             DECAYED_WORKLOAD.add(name)
         if not private:

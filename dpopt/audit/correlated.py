@@ -28,7 +28,8 @@ class CorrelatedRows(DiracRows):
         batch = max(1, round(spec.sample_rate * dataset_size))
         key = secret_key(spec.secret_seed)
         sampler = FixedOrderSampler(dataset_size, batch, SecretStream(key, "sampling"))
-        config = TrainConfig(algorithm=algorithm, epsilon=spec.epsilon, delta=spec.delta, clip=spec.clip, hp=spec.hp)
+        config = TrainConfig(algorithm=algorithm, epsilon=spec.epsilon, delta=spec.delta, clip=spec.clip, hp=spec.hp,
+                             sampling="fixed")
         clipping = Clipping(spec.clip)
         noise = build_run_noise(config, sampler, spec.steps, clipping.sensitivity, SecretStream(key, "noise"),
                                 log=lambda _: None)

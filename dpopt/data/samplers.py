@@ -15,7 +15,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from dpopt.noise.rng import SecretStream
-from dpopt.privacy.ledger import FixedOrderParticipation, FixedParticipation, Participation, PoissonSampling
+from dpopt.privacy.ledger import (CyclicPoissonSampling, FixedOrderParticipation, FixedParticipation, Participation,
+                                  PoissonSampling)
 
 
 class Sampler(Protocol):
@@ -89,6 +90,37 @@ class PoissonSampler:
         return (self.stream.uniform(self.dataset_size, step) < self.rate).nonzero().squeeze(1)
 
 
+class CyclicPoissonSampler(PoissonSampler):
+    """Poisson sampling within ``period`` groups by position: step t samples only the examples at positions
+    j = t mod period, j + period, ..., each independently with probability rate = period · batch_size / n,
+    so a step's expected batch is batch_size (``CyclicPoissonSampling``). Amplified like Poisson sampling, and
+    an example joins at most one of every ``period`` steps, as banded noise with at most ``period`` bands
+    needs (Choquette-Choo et al. 2023, Sec. 4)."""
+
+    def __init__(self, dataset_size: int, batch_size: int, period: int, stream: SecretStream) -> None:
+        if period < 1:
+            raise ValueError(f"cyclic sampling period must be >= 1 step, got {period}")
+        if not 1 <= batch_size * period <= dataset_size:
+            raise ValueError(f"cyclic Poisson sampling over {period} groups samples batches of {batch_size} from "
+                             f"{dataset_size // period} examples or fewer: batch size times the period must lie in "
+                             f"[1, {dataset_size}] (the dataset size), got {batch_size} x {period}")
+        super().__init__(dataset_size, batch_size * period / dataset_size, stream)
+        self.period = period
+        self.participation = CyclicPoissonSampling(self.rate, period)
+
+    @property
+    def normalizer(self) -> float:
+        return self.rate * self.dataset_size / self.period
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return max(1, round(self.period / self.rate))
+
+    def batch(self, step: int) -> torch.Tensor:
+        group = torch.arange(step % self.period, self.dataset_size, self.period)
+        return group[self.stream.uniform(self.dataset_size, step)[group] < self.rate]
+
+
 class ShuffleSampler:
     """Disjoint batches of ``batch_size`` from a fresh secret permutation every epoch (the last batch of an
     epoch may be smaller). Accounted without amplification: one release per example per epoch."""
@@ -134,12 +166,15 @@ def sampler_state(sampler: Sampler, next_step: int) -> dict[str, Any]:
             "next_step": int(next_step)}
 
 
-SAMPLINGS = ("poisson", "shuffle", "fixed")
+SAMPLINGS = ("poisson", "cyclic", "shuffle", "fixed")
 
 
-def make_sampler(kind: str, dataset_size: int, batch_size: int, stream: SecretStream) -> Sampler:
+def make_sampler(kind: str, dataset_size: int, batch_size: int, stream: SecretStream, period: int = 1) -> Sampler:
+    """The sampler ``kind`` (``period``: the groups of ``cyclic`` Poisson sampling)."""
     if kind == "poisson":
         return PoissonSampler.with_batch_size(dataset_size, batch_size, stream)
+    if kind == "cyclic":
+        return CyclicPoissonSampler(dataset_size, batch_size, period, stream)
     if kind == "shuffle":
         return ShuffleSampler(dataset_size, batch_size, stream)
     if kind == "fixed":

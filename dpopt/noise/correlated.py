@@ -29,8 +29,8 @@ import torch
 
 from dpopt.noise import factorizations as fz
 from dpopt.noise.rng import SecretStream
-from dpopt.privacy.correlated import CorrelatedRelease, check_correlated_participation, whole_run
-from dpopt.privacy.ledger import Participation
+from dpopt.privacy.correlated import CorrelatedRelease, amplified, check_correlated_participation, whole_run
+from dpopt.privacy.ledger import GaussianRelease, Participation
 
 Shapes = list[torch.Size]
 
@@ -38,6 +38,8 @@ Shapes = list[torch.Size]
 class CorrelatedNoise:
     """Base of the correlated mechanisms. ``profile[s]`` is the (unnormalised) factorization's sensitivity
     over the first s+1 steps; its last entry scales the noise."""
+
+    bands: int | None = None  # rows of C an example's step reaches (None: unbounded, as the tree's)
 
     def __init__(self, noise_multiplier: float, sensitivity: float, stream: SecretStream, horizon: int,
                  period: int, factorization: str, profile: torch.Tensor) -> None:
@@ -58,15 +60,20 @@ class CorrelatedNoise:
         return self.noise_multiplier * self.sensitivity * self.scale
 
     # --- accounting -------------------------------------------------------------------------------------------
-    def release(self, participation: Participation) -> CorrelatedRelease:
-        """What the last noised step releases, for the ledger (refuses a participation it does not cover)."""
+    def release(self, participation: Participation) -> CorrelatedRelease | GaussianRelease:
+        """What the last noised step releases, for the ledger (refuses a participation it does not cover):
+        under cyclic Poisson sampling, one amplified Gaussian release (``privacy.correlated.amplified``)."""
+        if amplified(participation, self.horizon, self.period, self.bands):
+            return GaussianRelease(self.noise_multiplier, participation)
         check_correlated_participation(participation, self.horizon, self.period)
         step = 0 if self._last is None else self._last
         return CorrelatedRelease(self.noise_multiplier, self.factorization, self.horizon, self.period,
                                  participation, min(1.0, self.prefix[step]), step, 1)
 
-    def whole_run(self, noise_multiplier: float, participation: Participation) -> CorrelatedRelease:
+    def whole_run(self, noise_multiplier: float, participation: Participation) -> CorrelatedRelease | GaussianRelease:
         """The complete run's release at another multiplier: what calibration targets."""
+        if amplified(participation, self.horizon, self.period, self.bands):
+            return GaussianRelease(noise_multiplier, participation, self.horizon)
         check_correlated_participation(participation, self.horizon, self.period)
         return whole_run(noise_multiplier, self.factorization, self.horizon, self.period, participation)
 

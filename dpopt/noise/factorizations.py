@@ -225,6 +225,30 @@ def expected_error(workload: torch.Tensor, c: torch.Tensor, period: int) -> floa
     return float(y.norm() * sensitivity(c, period) / math.sqrt(steps))
 
 
+def inverse_coefficients(c: torch.Tensor, steps: int) -> torch.Tensor:
+    """The first ``steps`` coefficients of 1/c(x): the first column of C⁻¹ for the lower-triangular Toeplitz C
+    whose first column starts with ``c``, by the recurrence h_k = -Σ_{0<j<len(c)} c_j h_(k-j) / c_0, in
+    O(steps · len(c)) without forming C."""
+    c = c.to(F64)
+    h = torch.zeros(steps, dtype=F64)
+    h[0] = 1.0 / c[0]
+    tail = c[1:].flip(0)
+    for k in range(1, steps):
+        m = min(k, tail.shape[0])
+        h[k] = -(tail[tail.shape[0] - m:] * h[k - m:k]).sum() / c[0]
+    return h
+
+
+def single_participation_error(workload: torch.Tensor, c: torch.Tensor) -> float:
+    """``expected_error`` of the Toeplitz C starting with ``c`` for a Toeplitz workload with first column
+    ``workload`` when each example joins at most one step of any len(c) consecutive ones (its columns then
+    never share a row, so the sensitivity is one column's norm, ‖c‖), without forming T x T matrices."""
+    steps = workload.shape[0]
+    g = causal_convolve(workload.to(F64), inverse_coefficients(c, steps))  # first column of W C⁻¹
+    weights = torch.arange(steps, 0, -1, dtype=F64)  # coefficient k appears T - k times
+    return float((weights * g.square()).sum().sqrt() * c.to(F64).norm() / math.sqrt(steps))
+
+
 def tree_prefix_sensitivities(steps: int, period: int, full: bool) -> torch.Tensor:
     """``prefix_sensitivities`` of ``tree_nodes(steps, full)`` without forming the node matrix (O(nodes ·
     period)): an example at position j is in node [a, b] as often as there are i with a <= ib + j <= b, and

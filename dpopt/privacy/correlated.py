@@ -8,9 +8,12 @@ they continue the same run; an entry covering the first s steps is accounted wit
 those steps release (``sensitivity``, a fraction <= 1 of the whole run's), so an early-stopped or
 interrupted run is never under-reported, and never charged more than the whole run.
 
-No amplification: Poisson sampling is refused. Over several epochs the sensitivity assumes each example
-sits at the same position of every epoch (``FixedOrderParticipation``); a single-epoch run accepts any
-fixed participation whose period covers the horizon.
+Over several epochs the sensitivity assumes each example sits at the same position of every epoch
+(``FixedOrderParticipation``); a single-epoch run accepts any fixed participation whose period covers the
+horizon. Plain Poisson sampling is refused. The one amplified case is banded noise under cyclic Poisson
+sampling (``CyclicPoissonSampling`` with a period >= the bands, C's columns normalised for one participation):
+an example's steps are >= bands apart, so each one moves a disjoint block of rows of C·X, and the run is
+accounted exactly as iid Gaussian noise with that sampling (Choquette-Choo et al. 2023, Thm 4; ``amplified``).
 """
 
 from __future__ import annotations
@@ -22,16 +25,38 @@ from typing import Any, ClassVar
 import dp_accounting as dpa
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
-from dpopt.privacy.ledger import (AccountingError, FixedOrderParticipation, FixedParticipation, Participation,
-                                  PoissonSampling, Relation, Release, _relation, participation_from_dict,
-                                  participation_to_dict, register_release)
+from dpopt.privacy.ledger import (AccountingError, CyclicPoissonSampling, FixedOrderParticipation, FixedParticipation,
+                                  GaussianRelease, Participation, PoissonSampling, Relation, Release, _relation,
+                                  participation_from_dict, participation_to_dict, register_release)
 
 
-def check_correlated_participation(participation: Participation, horizon: int, period: int) -> None:
+def amplified(participation: Participation, horizon: int, period: int, bands: int | None) -> bool:
+    """Whether noise with ``bands`` bands (None: not banded), its sensitivity computed for examples recurring
+    every ``period`` steps, is accounted with amplification by ``participation``: only under cyclic Poisson
+    sampling whose groups recur no sooner than every ``bands`` steps, with the sensitivity of one
+    participation (period >= horizon). Then C's columns for one group's steps t, t + p, ... touch the disjoint
+    rows [t, t + bands), and each block is one subsampled Gaussian release (Choquette-Choo et al. 2023, Thm 4).
+    Refuses cyclic sampling that does not meet these conditions."""
+    if not isinstance(participation, CyclicPoissonSampling):
+        return False
+    if bands is None or bands > participation.period or period < horizon:
+        raise AccountingError(
+            f"cyclic Poisson sampling amplifies banded noise (--noise banded or sqrt) whose bands do not exceed "
+            f"its period ({participation.period}); this noise has "
+            + ("no bands" if bands is None else f"{bands} bands" if bands > participation.period
+               else "a multi-epoch sensitivity") + ": use --bands at most the period, or --sampling fixed")
+    return True
+
+
+def check_correlated_participation(participation: Participation, horizon: int, period: int,
+                                   bands: int | None = None) -> None:
     """Refuse a sampling that the factorization's sensitivity does not cover."""
+    if amplified(participation, horizon, period, bands):
+        return
     if isinstance(participation, PoissonSampling):
         raise AccountingError("correlated noise (tree aggregation, matrix factorizations) has no privacy analysis "
-                              "with Poisson amplification; use fixed-order batches (--sampling fixed)")
+                              "with Poisson amplification; use fixed-order batches (--sampling fixed), or cyclic "
+                              "Poisson sampling with banded noise (--sampling cyclic)")
     if not isinstance(participation, FixedParticipation):
         raise AccountingError(f"correlated noise cannot account participation {participation!r}")
     if horizon <= period:  # single epoch: at most one participation in the whole run, at any position

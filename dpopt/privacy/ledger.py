@@ -59,6 +59,28 @@ class PoissonSampling:
 
 
 @dataclass(frozen=True)
+class CyclicPoissonSampling(PoissonSampling):
+    """Examples fall into ``period`` groups by position (group j: positions j, j + period, ...); step t samples
+    group t mod period only, each of its examples independently with probability ``rate``. An example thus
+    has a chance to join at most one of every ``period`` consecutive steps, and a run of T steps composes
+    ceil(T/period) Poisson-subsampled releases per example (b-min-sep sampling, Choquette-Choo et al. 2023,
+    "Amplified Banded Matrix Factorization", Sec. 4). ``period`` 1 is plain Poisson sampling."""
+
+    period: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.period < 1:
+            raise ValueError(f"cyclic sampling period must be >= 1 step, got {self.period}")
+
+
+def poisson_count(part: PoissonSampling, steps: int) -> int:
+    """How many of ``steps`` consecutive Poisson-sampled steps one example can join: all of them, or for
+    cyclic sampling one in every ``period`` (any window of s steps holds ceil(s/period) of one group's)."""
+    return math.ceil(steps / part.period) if isinstance(part, CyclicPoissonSampling) else steps
+
+
+@dataclass(frozen=True)
 class FixedParticipation:
     """Each example is in at most one batch of every ``period`` consecutive steps (shuffled or fixed-order
     epochs). No amplification is assumed: a run of T steps releases each example ceil(T/period) times."""
@@ -78,7 +100,8 @@ class FixedOrderParticipation(FixedParticipation):
 
 
 Participation = Union[PoissonSampling, FixedParticipation]
-_PARTICIPATIONS = {"poisson": PoissonSampling, "fixed": FixedParticipation, "fixed-order": FixedOrderParticipation}
+_PARTICIPATIONS = {"poisson": PoissonSampling, "cyclic-poisson": CyclicPoissonSampling, "fixed": FixedParticipation,
+                   "fixed-order": FixedOrderParticipation}
 
 
 def participation_to_dict(part: Participation) -> dict[str, Any]:
@@ -153,7 +176,8 @@ class GaussianRelease(Release):
                     "the RDP accountant has no analysis of Poisson sampling under replace-one neighbours; "
                     "use --accountant pld (or the add-remove relation)")
             # dp-accounting's Poisson events take z relative to one record's bound under either relation.
-            return dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(part.rate, dpa.GaussianDpEvent(z)), self.steps)
+            return dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(part.rate, dpa.GaussianDpEvent(z)),
+                                           poisson_count(part, self.steps))
         # A plain Gaussian: PLD (built with REPLACE_ONE) doubles the distance itself, RDP does not.
         if relation == Relation.REPLACE_ONE and accountant == "rdp":
             z = z / 2.0
@@ -164,7 +188,7 @@ class GaussianRelease(Release):
         part = self.participation
         if isinstance(part, PoissonSampling):
             return _subsampled_gaussian_pld(self.noise_multiplier, part.rate, relation, interval).self_compose(
-                self.steps)
+                poisson_count(part, self.steps))
         count = math.ceil(self.steps / part.period)
         return pld_lib.from_gaussian_mechanism(self.noise_multiplier / math.sqrt(count),
                                                value_discretization_interval=interval,

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 
-from dpopt.privacy.ledger import FixedParticipation, PoissonSampling, PrivacyLedger, Relation
+from dpopt.privacy.ledger import (CyclicPoissonSampling, FixedParticipation, PoissonSampling, PrivacyLedger, Relation,
+                                  poisson_count)
 
 
 RANDOMNESS = {
@@ -46,7 +47,10 @@ def privacy_statement(ledger: PrivacyLedger, delta: float, dataset_size: int | N
             lines.append(f"  - {e.describe(unit)}.")
             continue
         part = e.participation
-        if isinstance(part, PoissonSampling):
+        if isinstance(part, CyclicPoissonSampling):
+            how = (f"Poisson sampling at rate {part.rate:.4g} within {part.period} groups taken in turn (each {unit} "
+                   f"in at most one of every {part.period} steps: {poisson_count(part, e.steps)} sampled releases)")
+        elif isinstance(part, PoissonSampling):
             how = f"Poisson sampling at rate {part.rate:.4g}"
         else:
             assert isinstance(part, FixedParticipation)
