@@ -16,12 +16,12 @@ from dpopt.audit import (AUDIT_SETUPS, AuditSpec, audit, clopper_pearson_upper, 
                          epsilon_lower_bound, threshold_audit)
 from dpopt.audit.auditor import poisson_privatizer
 from dpopt.audit.canaries import DiracRows, ProjectedDirac
-from dpopt.audit.correlated import CorrelatedRows
+from dpopt.audit.correlated import AmplifiedBandedRows, CorrelatedRows
 from dpopt.audit.federated import LocalDPClients
 from dpopt.audit.scalar import ScalarRuns
 from dpopt.cli import main
 from dpopt.clipping import Clipping
-from dpopt.data.samplers import ShuffleSampler
+from dpopt.data.samplers import CyclicPoissonSampler, ShuffleSampler
 from dpopt.federated.privacy import ClientNoise, LocalNoise
 from dpopt.noise.correlated import CorrelatedNoise
 from dpopt.privacy import GaussianRelease, epsilon_of
@@ -109,7 +109,7 @@ def test_bound_uses_both_error_rates():
 # setup (65536 canaries), whose test point then lies where that many canaries resolve the error rates.
 # A secret seed makes each outcome fixed (an audit's runs draw fresh OS-entropy keys by default).
 SPECS = {DiracRows: AuditSpec(secret_seed=0), ProjectedDirac: AuditSpec(delta=1e-3, secret_seed=0),
-         CorrelatedRows: AuditSpec(secret_seed=0),
+         CorrelatedRows: AuditSpec(secret_seed=0), AmplifiedBandedRows: AuditSpec(secret_seed=0),
          ScalarRuns: AuditSpec(canaries=10000, steps=1, delta=1e-2, secret_seed=0),  # one run per canary
          LocalDPClients: AuditSpec(secret_seed=0)}
 # A federated client is scored by the sum of its messages along the canary direction: under error feedback
@@ -168,7 +168,7 @@ CORRELATED_BROKEN = {
 
 
 @pytest.mark.parametrize("variant", sorted(CORRELATED_BROKEN))
-@pytest.mark.parametrize("algorithm", ["dp-ftrl", "dp-memf"])
+@pytest.mark.parametrize("algorithm", ["dp-ftrl", "dp-srg-memf"])
 def test_broken_correlated_variant_exceeds_its_claim(algorithm, variant, monkeypatch):
     for patch in CORRELATED_BROKEN[variant]:
         monkeypatch.setattr(*patch)
@@ -178,6 +178,29 @@ def test_broken_correlated_variant_exceeds_its_claim(algorithm, variant, monkeyp
     # Four steps in epochs of two: the lie at most halves the participations, so its margin is smaller
     # (seeds 0-3: 2.12-2.56 against the claim 1.99).
     margin = 1.05 if variant == "wrong-participation" else 1.2
+    assert result.violated and result.epsilon_lower > margin * result.epsilon_claimed
+
+
+def _every_step(self, step):
+    """Poisson draws from the whole dataset at every step, while the ledger claims one group per step."""
+    return (self.stream.uniform(self.dataset_size, step) < self.rate).nonzero().squeeze(1)
+
+
+# Amplified BandMF (dp-memf's default): its wrong-accounting variant ignores the groups, so every canary may join
+# every step where the ledger and the banded noise assume one step in every period.
+AMPLIFIED_BROKEN = {"clipping-off": CORRELATED_BROKEN["clipping-off"],
+                    "noise-halved": CORRELATED_BROKEN["noise-halved"],
+                    "every-step": [(CyclicPoissonSampler, "batch", _every_step)]}
+
+
+@pytest.mark.parametrize("variant", sorted(AMPLIFIED_BROKEN))
+def test_broken_amplified_banded_variant_exceeds_its_claim(variant, monkeypatch):
+    for patch in AMPLIFIED_BROKEN[variant]:
+        monkeypatch.setattr(*patch)
+    result = audit("dp-memf", spec_for("dp-memf"))
+    assert result.epsilon_claimed == pytest.approx(2.0, rel=0.01)
+    # Four steps in two groups: the lie doubles the participations (secret seed 0: 2.14 against the claim 2.00)
+    margin = 1.05 if variant == "every-step" else 1.2
     assert result.violated and result.epsilon_lower > margin * result.epsilon_claimed
 
 

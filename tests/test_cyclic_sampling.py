@@ -74,6 +74,7 @@ def test_banded_noise_within_the_period_is_amplified_and_its_structure_allows_it
     probe = build_noise(kind, 1.0, 1.0, _Basis(steps), steps, steps, bands=bands)
     rows = torch.stack([probe.unit_noise(t, [torch.Size([steps])])[0] for t in range(steps)]).double()
     c = torch.linalg.inv(rows)
+    assert torch.allclose(c, probe.matrix(), atol=1e-5)  # what the amplified audit whitens with
     assert c.norm(dim=0).max() == pytest.approx(1.0, rel=1e-5)  # every column's norm <= 1
     for j in range(period):  # one group's columns j, j + period, ... never share a row
         group = (c[:, j::period].abs() > 1e-4).sum(1)  # float32 noise: zeros to ~1e-7

@@ -1,17 +1,21 @@
-"""Audit setup for recipes with correlated noise and fixed-order batches (DP-FTRL, DP-MEMF, DP-SRG-MEMF,
-Accelerated-DP-SRGD, DP-SRGD): the Dirac rows of ``DiracRows``, every canary in its fixed slot."""
+"""Audit setups for recipes with correlated noise: the Dirac rows of ``DiracRows``, every canary in its slot.
+
+* ``CorrelatedRows`` — fixed-order batches (DP-FTRL, DP-SRG-MEMF, Accelerated-DP-SRGD, DP-SRGD).
+* ``AmplifiedBandedRows`` — amplified BandMF, dp-memf's default: cyclic Poisson sampling, banded noise.
+"""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 
 from dpopt.algorithms import Privatizer
-from dpopt.audit.auditor import AuditSpec, register_audit
+from dpopt.audit.auditor import AuditSpec, poisson_gaussian_llr, register_audit
 from dpopt.audit.canaries import DiracRows
 from dpopt.clipping import Clipping
-from dpopt.data.samplers import FixedOrderSampler
+from dpopt.data.samplers import CyclicPoissonSampler, FixedOrderSampler
 from dpopt.noise.rng import SecretStream, secret_key
 from dpopt.privacy import PrivacyLedger
 from dpopt.train import TrainConfig, build_run_noise
@@ -49,4 +53,36 @@ class CorrelatedRows(DiracRows):
         return (w * (x.double() - a / 2)).sum(1)
 
 
-register_audit(CorrelatedRows(), "dp-ftrl", "dp-memf", "dp-srg-memf", "accel-dp-srgd", "dp-srgd")
+class AmplifiedBandedRows(DiracRows):
+    """Canary k is in group k mod p of cyclic Poisson sampling (period p, banded noise with p bands): it may
+    join steps t = k mod p, k mod p + p, ... at rate q. Its observations x = a + z C⁻¹ζ are whitened by C,
+    C x = C a + z ζ, and projected on its group's columns, which touch disjoint rows and have unit norm:
+    s_j = b_j + z ξ_j with b_j ~ Bernoulli(q), independent. So the canary is scored by the Poisson-Gaussian
+    likelihood ratio of its visits, under exactly the model the ledger claims (Choquette-Choo et al. 2023)."""
+
+    period = 2
+
+    def privatizer(self, algorithm: str, spec: AuditSpec, dataset_size: int) -> Privatizer:
+        batch = max(1, round(spec.sample_rate * dataset_size / self.period))  # rate: spec.sample_rate
+        key = secret_key(spec.secret_seed)
+        sampler = CyclicPoissonSampler(dataset_size, batch, self.period, SecretStream(key, "sampling"))
+        config = TrainConfig(algorithm=algorithm, epsilon=spec.epsilon, delta=spec.delta, clip=spec.clip,
+                             hp=dataclasses.replace(spec.hp, bands=self.period), sampling="cyclic")
+        clipping = Clipping(spec.clip)
+        noise = build_run_noise(config, sampler, spec.steps, clipping.sensitivity, SecretStream(key, "noise"),
+                                log=lambda _: None)
+        return Privatizer(clipping, noise, sampler, PrivacyLedger())
+
+    def score(self, x: torch.Tensor, privatizer: Privatizer) -> torch.Tensor:
+        c = privatizer.noise.matrix()
+        whitened = x.double() @ c.T  # row k: C x_k
+        scores = torch.empty(x.shape[0], dtype=torch.float64)
+        for group in range(self.period):
+            visits = whitened[group::self.period] @ c[:, group::self.period]  # <C[:, t], C x_k> per visit t
+            scores[group::self.period] = poisson_gaussian_llr(visits, privatizer.sampler.participation.rate,
+                                                              privatizer.noise.noise_multiplier)
+        return scores
+
+
+register_audit(CorrelatedRows(), "dp-ftrl", "dp-srg-memf", "accel-dp-srgd", "dp-srgd")
+register_audit(AmplifiedBandedRows(), "dp-memf")

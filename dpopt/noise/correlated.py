@@ -202,6 +202,15 @@ class MatrixNoise(CorrelatedNoise):
         super().__init__(noise_multiplier, sensitivity, stream, steps, period, factorization,
                          fz.prefix_sensitivities(c, period))
 
+    def matrix(self) -> torch.Tensor:
+        """C (T x T, float64) rebuilt from the bands the noise is drawn with: for audits of short runs."""
+        c = torch.zeros(self.horizon, self.horizon, dtype=torch.float64)
+        for j in range(self.bands):
+            lag = self.bands - 1 - j  # band[t, j] = C[t, t - lag]
+            t = torch.arange(lag, self.horizon)
+            c[t, t - lag] = self._band[lag:, j].double()
+        return c
+
     def _advance(self, step: int, shapes: Shapes, device) -> list[torch.Tensor]:
         ring = self.bands - 1
         draws = self.stream.normals(shapes, step, device)
