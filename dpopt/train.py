@@ -340,8 +340,10 @@ def build_run_noise(config: TrainConfig, sampler: Sampler, total: int, clip: flo
     kind, hp = run_noise_kind(config, total), config.hp
     true = hp.workload == "true"
     if kind != config.noise_kind and config.sampling_kind == "cyclic":
-        log(f"amplified BandMF: {kind} noise with {hp.bands} bands on cyclic Poisson sampling (the recipe's "
-            f"{config.noise_kind} noise is not amplified; --sampling fixed runs it on fixed-order batches)")
+        log(f"amplified BandMF: {kind} noise with {hp.bands} bands on cyclic Poisson sampling"
+            + (" (one band: iid noise, DP-SGD's privatization)" if hp.bands == 1 else "")
+            + f"; the recipe's {config.noise_kind} noise is not amplified (--sampling fixed runs it on fixed-order "
+            "batches)")
     elif kind != config.noise_kind:
         log(f"{config.noise_kind} noise (the recipe's default) is out of reach over {total} steps (at most "
             f"{MAX_DENSE_STEPS}): using {kind} noise (BandMF) instead; --noise tree is faster to set up")

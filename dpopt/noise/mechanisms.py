@@ -58,23 +58,27 @@ def factorization(kind: str, steps: int, period: int, bands: int = 0, momentum: 
     return fz.normalize_columns(c, period), name
 
 
+def amplified_noise(epsilon: float, delta: float, dataset_size: int, batch_size: int, steps: int,
+                    workload: torch.Tensor, period: int, accountant: str = "pld",
+                    relation: str = "add-remove") -> tuple[float, float]:
+    """(z, noise) of amplified BandMF with cyclic ``period`` p: z is the multiplier calibrated at sampling rate
+    p · batch_size / n over ceil(steps / p) releases; noise = z · ‖W C_p⁻¹‖_F · ‖c_p‖ / √T is the RMS noise
+    the workload sees, in units of the clip bound, for C_p the square root of the prefix sums cut to p bands."""
+    part = CyclicPoissonSampling(period * batch_size / dataset_size, period)
+    z = noise_multiplier_for(epsilon, delta, part, steps, accountant, relation)
+    return z, z * fz.single_participation_error(workload, fz.sqrt_coefficients(period))
+
+
 def amplified_bands(epsilon: float, delta: float, dataset_size: int, batch_size: int, steps: int,
                     workload: torch.Tensor, accountant: str = "pld", relation: str = "add-remove",
                     largest: int = 512) -> int:
-    """The period b of cyclic Poisson sampling, and bands of the noise, for (epsilon, delta) over ``steps``:
-    the power of two that minimises the noise the workload sees, z(b) · ‖W C_b⁻¹‖_F · ‖c_b‖, where z(b) is
-    the calibrated multiplier at sampling rate b · batch_size / n over ceil(steps / b) releases and C_b the
-    square root of the prefix sums cut to b bands (the trade-off of Choquette-Choo et al. 2023, Sec. 5: more
-    bands decorrelate more noise, fewer keep more amplification; b = 1 is DP-SGD)."""
+    """The period of cyclic Poisson sampling, and bands of the noise, for (epsilon, delta) over ``steps``: the
+    power of two up to ``largest`` with the least ``amplified_noise`` (the trade-off of Choquette-Choo et al.
+    2023, Sec. 5: more bands decorrelate more noise, fewer keep more amplification; 1 is DP-SGD)."""
     candidates = [1 << k for k in range(largest.bit_length())
                   if (1 << k) <= min(largest, steps) and (1 << k) * batch_size <= dataset_size]
-
-    def noise(b: int) -> float:
-        part = CyclicPoissonSampling(b * batch_size / dataset_size, b)
-        z = noise_multiplier_for(epsilon, delta, part, steps, accountant, relation)
-        return z * fz.single_participation_error(workload, fz.sqrt_coefficients(b))
-
-    return min(candidates, key=noise)
+    return min(candidates, key=lambda p: amplified_noise(epsilon, delta, dataset_size, batch_size, steps, workload,
+                                                         p, accountant, relation)[1])
 
 
 def build_noise(kind: str, noise_multiplier: float, clip: float, stream: SecretStream, horizon: int, period: int,
