@@ -211,10 +211,11 @@ def test_cli_trains_each_correlated_algorithm(algorithm, sampling, noise, mechan
     assert m["ledger"]["entries"][0]["mechanism"] == mechanism
 
 
-@pytest.mark.parametrize("noise,algorithm", [("tree", "dp-srg-memf"), ("banded", "disk-sgd")])
-def test_resume_reproduces_a_correlated_run(tmp_path, noise, algorithm):
-    config = TrainConfig(algorithm=algorithm, noise=noise, epochs=2, batch_size=512, epsilon=2.0,
-                         hp=Hyperparameters(lr=0.5, momentum=0.5, tree_decoder="least-squares"))
+@pytest.mark.parametrize("noise,algorithm,sampling", [("tree", "dp-srg-memf", "auto"), ("banded", "disk-sgd", "auto"),
+                                                       ("banded", "dp-memf", "cyclic")])  # amplified BandMF
+def test_resume_reproduces_a_correlated_run(tmp_path, noise, algorithm, sampling):
+    config = TrainConfig(algorithm=algorithm, noise=noise, epochs=2, batch_size=512, epsilon=2.0, sampling=sampling,
+                         hp=Hyperparameters(lr=0.5, momentum=0.5, tree_decoder="least-squares", bands=2))
     full = train_keeping_epoch_one(config, tmp_path / "full", tmp_path / "cut")  # its own OS-entropy key
     resumed = resume(tmp_path / "cut", progress=False, log=lambda _: None)
     a = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)["model"]
