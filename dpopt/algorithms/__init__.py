@@ -5,5 +5,6 @@ from dpopt.algorithms.base import DPOptimizer, Privatizer, StepResult, Transform
 from dpopt.algorithms.registry import (ALGORITHMS, DECAYED_WORKLOAD, DEFAULT_NOISE, DEFAULT_SAMPLING, DEFAULTS,
                                        NON_PRIVATE, Hyperparameters, StepRule, build_algorithm, register)
 
-__all__ = ["ALGORITHMS", "DECAYED_WORKLOAD", "DEFAULT_NOISE", "DEFAULT_SAMPLING", "DEFAULTS", "NON_PRIVATE", "DPOptimizer",
-           "Hyperparameters", "Privatizer", "StepResult", "StepRule", "Transform", "build_algorithm", "register"]
+__all__ = ["ALGORITHMS", "DECAYED_WORKLOAD", "DEFAULT_NOISE", "DEFAULT_SAMPLING", "DEFAULTS", "NON_PRIVATE",
+           "DPOptimizer", "Hyperparameters", "Privatizer", "StepResult", "StepRule", "Transform", "build_algorithm",
+           "register"]

@@ -61,9 +61,10 @@ def factorization(kind: str, steps: int, period: int, bands: int = 0, momentum: 
 def amplified_noise(epsilon: float, delta: float, dataset_size: int, batch_size: int, steps: int,
                     workload: torch.Tensor, period: int, accountant: str = "pld",
                     relation: str = "add-remove") -> tuple[float, float]:
-    """(z, noise) of amplified BandMF with cyclic ``period`` p: z is the multiplier calibrated at sampling rate
-    p · batch_size / n over ceil(steps / p) releases; noise = z · ‖W C_p⁻¹‖_F · ‖c_p‖ / √T is the RMS noise
-    the workload sees, in units of the clip bound, for C_p the square root of the prefix sums cut to p bands."""
+    """(z, noise) of amplified BandMF with cyclic ``period`` p: z is the multiplier calibrated at sampling
+    rate p · batch_size / n over ceil(steps / p) releases; noise = z · ‖W C_p⁻¹‖_F · ‖c_p‖ / √T is the RMS
+    noise the workload sees, in units of the clip bound, for C_p the square root of the prefix sums cut to p
+    bands."""
     part = CyclicPoissonSampling(period * batch_size / dataset_size, period)
     z = noise_multiplier_for(epsilon, delta, part, steps, accountant, relation)
     return z, z * fz.single_participation_error(workload, fz.sqrt_coefficients(period))
