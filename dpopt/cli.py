@@ -26,8 +26,8 @@ from dpopt.extras import MissingExtra
 from dpopt.grad.engine import MODES, STRATEGIES
 from dpopt.models import MODEL_TRAINABLE, MODELS, check_model
 from dpopt.noise.mechanisms import NOISES
-from dpopt.privacy import (AccountingError, FixedParticipation, GaussianRelease, PoissonSampling, Relation,
-                           epsilon_of, noise_multiplier_for)
+from dpopt.privacy import (AccountingError, CyclicPoissonSampling, FixedParticipation, GaussianRelease, PoissonSampling,
+                           Relation, epsilon_of, noise_multiplier_for)
 from dpopt.report import CURVES, LOG, TENSORBOARD
 from dpopt.train import CALIBRATIONS, MODEL_DIR, TrainConfig, extended, resume, train
 
@@ -194,10 +194,19 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
+PERIOD_HELP = ("cyclic Poisson sampling (--sampling cyclic, amplified BandMF): q is the rate within one of this "
+               "many groups taken in turn (default 1: plain Poisson sampling)")
+
+
+def _poisson(rate: float, period: int) -> PoissonSampling:
+    return PoissonSampling(rate) if period == 1 else CyclicPoissonSampling(rate, period)
+
+
 def _add_account(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("account", help="epsilon of a DP-SGD-style run")
     p.add_argument("--noise-multiplier", type=float, required=True)
     p.add_argument("--sample-rate", type=float, help="Poisson sampling rate q (omit for no amplification)")
+    p.add_argument("--period", type=_positive_int, default=1, help=PERIOD_HELP)
     p.add_argument("--steps", type=_positive_int, required=True)
     p.add_argument("--steps-per-epoch", type=_positive_int, default=1,
                    help="without --sample-rate: each example is in one of every this many steps")
@@ -212,9 +221,10 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--epsilon", type=float, required=True)
     p.add_argument("--delta", type=float, required=True)
     p.add_argument("--sample-rate", type=float, required=True, help="Poisson sampling rate q")
+    p.add_argument("--period", type=_positive_int, default=1, help=PERIOD_HELP)
     length = p.add_mutually_exclusive_group(required=True)
     length.add_argument("--steps", type=_positive_int)
-    length.add_argument("--epochs", type=float, help="epochs of round(1/q) steps each")
+    length.add_argument("--epochs", type=float, help="epochs of round(period/q) steps each")
     p.add_argument("--accountant", default="pld", choices=["pld", "rdp"])
     p.add_argument("--relation", default="add-remove", choices=[r.value for r in Relation])
     p.add_argument("--json", action="store_true")
@@ -401,7 +411,9 @@ def _train(args: argparse.Namespace) -> int:
 
 @command("account", _add_account)
 def _account(args: argparse.Namespace) -> int:
-    part = (PoissonSampling(args.sample_rate) if args.sample_rate is not None
+    if args.sample_rate is None and args.period != 1:
+        raise ValueError("--period is the cyclic period of Poisson sampling: give --sample-rate too")
+    part = (_poisson(args.sample_rate, args.period) if args.sample_rate is not None
             else FixedParticipation(args.steps_per_epoch))
     eps = epsilon_of([GaussianRelease(args.noise_multiplier, part, args.steps)], args.delta, args.accountant,
                      args.relation)
@@ -411,8 +423,8 @@ def _account(args: argparse.Namespace) -> int:
 
 @command("calibrate", _add_calibrate)
 def _calibrate(args: argparse.Namespace) -> int:
-    part = PoissonSampling(args.sample_rate)
-    steps = args.steps if args.steps is not None else max(1, round(args.epochs * round(1 / args.sample_rate)))
+    part = _poisson(args.sample_rate, args.period)
+    steps = args.steps if args.steps is not None else max(1, round(args.epochs * round(args.period / args.sample_rate)))
     z = noise_multiplier_for(args.epsilon, args.delta, part, steps, args.accountant, args.relation)
     print(json.dumps({"noise_multiplier": z, "steps": steps}) if args.json else f"noise multiplier = {z:.6g}")
     return 0

@@ -1,6 +1,7 @@
 """Cyclic Poisson sampling and amplified banded noise (Choquette-Choo et al. 2023): the sampler's groups, the
 accounting against dp-accounting, the structure the amplification needs, the reduction to DP-SGD, refusals."""
 
+import json
 import math
 
 import dp_accounting as dpa
@@ -52,6 +53,22 @@ def test_accounting_is_one_subsampled_gaussian_per_period_as_dp_accounting_compo
     plain = epsilon_of([GaussianRelease(z, PoissonSampling(q), steps)], 1e-5, accountant)
     assert got < plain  # fewer compositions than plain Poisson at the same rate
     assert epsilon_of([GaussianRelease(z, CyclicPoissonSampling(q, 1), steps)], 1e-5, accountant) == plain
+
+
+def test_account_and_calibrate_take_the_cyclic_period(capsys):
+    main(["account", "--noise-multiplier", "1.1", "--sample-rate", "0.05", "--period", "8", "--steps", "300",
+          "--delta", "1e-5", "--json"])
+    eps = json.loads(capsys.readouterr().out)["epsilon"]
+    assert eps == epsilon_of([GaussianRelease(1.1, PoissonSampling(0.05), 38)], 1e-5)  # ceil(300 / 8) visits
+    main(["calibrate", "--epsilon", str(eps), "--delta", "1e-5", "--sample-rate", "0.05", "--period", "8",
+          "--steps", "300", "--json"])
+    assert json.loads(capsys.readouterr().out)["noise_multiplier"] == pytest.approx(1.1, rel=0.01)  # round trip
+    main(["calibrate", "--epsilon", "2", "--delta", "1e-5", "--sample-rate", "0.05", "--period", "8", "--epochs",
+          "2", "--json"])
+    assert json.loads(capsys.readouterr().out)["steps"] == 320  # an epoch: 8 / 0.05 steps
+    with pytest.raises(SystemExit) as e:
+        main(["account", "--noise-multiplier", "1", "--period", "4", "--steps", "10", "--delta", "1e-5"])
+    assert e.value.code == 2 and "give --sample-rate too" in capsys.readouterr().err
 
 
 def test_a_ledger_counts_any_window_of_steps_by_its_group_visits():
