@@ -161,8 +161,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    "for gaussian noise, fixed for other correlated noise")
     p.add_argument("--noise", default=d.noise, choices=["auto", *NOISES],
                    help="noise mechanism: gaussian (iid) or correlated (tree, sqrt, banded, mf; need fixed-order "
-                   "batches); auto: the algorithm's own (dp-ftrl: tree, dp-memf/dp-srg-memf: mf, "
-                   "accel-dp-srgd/dp-srgd: tree, others: gaussian)")
+                   "batches, or cyclic sampling for banded/sqrt); auto: the algorithm's own (dp-ftrl: tree, "
+                   "dp-memf/dp-srg-memf: mf, banded on cyclic sampling, accel-dp-srgd/dp-srgd: tree, others: "
+                   "gaussian)")
     p.add_argument("--accountant", default=d.accountant, choices=["pld", "rdp"])
     p.add_argument("--relation", default=d.relation, choices=[r.value for r in Relation])
     p.add_argument("--per-example", default=d.per_example, choices=MODES,
