@@ -303,15 +303,23 @@ def freeze_all_but(model: nn.Module, pattern: str) -> str:
            f"{sum(p.numel() for p in model.parameters()):,} numbers) matching {pattern!r}"
 
 
+def workload_rates(config: TrainConfig) -> tuple[float, float]:
+    """(momentum, decay) of the workload an optimised factorization targets: with ``--workload true`` the run's
+    momentum and, for the SRG recipes, its decay; else 0 and 0 (prefix sums)."""
+    hp = config.hp
+    if hp.workload != "true":
+        return 0.0, 0.0
+    return hp.momentum, hp.decay if config.algorithm in DECAYED_WORKLOAD else 0.0
+
+
 def cyclic_period(config: TrainConfig, n: int) -> int:
     """``amplified_bands`` for a run of ``config`` over ``n`` examples, on the workload its noise targets."""
     if config.epsilon is None:
         raise ValueError("--sampling cyclic chooses its period (and the noise's bands) for an --epsilon; with a "
                          "--noise-multiplier give --bands")
-    steps, hp = config.epochs * max(1, round(n / config.batch_size)), config.hp
-    true = hp.workload == "true" and run_noise_kind(config, steps) != "sqrt"
-    workload = fz.workload_coefficients(steps, hp.momentum if true else 0.0,
-                                        hp.decay if true and config.algorithm in DECAYED_WORKLOAD else 0.0)
+    steps = config.epochs * max(1, round(n / config.batch_size))
+    rates = workload_rates(config) if run_noise_kind(config, steps) != "sqrt" else (0.0, 0.0)
+    workload = fz.workload_coefficients(steps, *rates)
     return amplified_bands(config.epsilon, config.delta, n, config.batch_size, steps, workload, config.accountant,
                            config.relation)
 
@@ -338,7 +346,6 @@ def build_run_noise(config: TrainConfig, sampler: Sampler, total: int, clip: flo
         log(f"{config.algorithm} is NOT differentially private: it releases un-noised statistics (epsilon = inf)")
         return GaussianNoise(0.0, clip, stream)
     kind, hp = run_noise_kind(config, total), config.hp
-    true = hp.workload == "true"
     if kind != config.noise_kind and config.sampling_kind == "cyclic":
         log(f"amplified BandMF: {kind} noise with {hp.bands} bands on cyclic Poisson sampling"
             + (" (one band: iid noise, DP-SGD's privatization)" if hp.bands == 1 else "")
@@ -351,9 +358,7 @@ def build_run_noise(config: TrainConfig, sampler: Sampler, total: int, clip: flo
         log(f"optimising the {kind} factorization for {total} steps (once, before training; minutes at this size)")
     # cyclic sampling: the factorization's sensitivity is one participation's, amplified (privacy.correlated)
     period = total if isinstance(sampler.participation, CyclicPoissonSampling) else sampler.steps_per_epoch
-    noise = build_noise(kind, 0.0, clip, stream, total, period, hp.tree_decoder, hp.bands,
-                        hp.momentum if true else 0.0,
-                        hp.decay if true and config.algorithm in DECAYED_WORKLOAD else 0.0)
+    noise = build_noise(kind, 0.0, clip, stream, total, period, hp.tree_decoder, hp.bands, *workload_rates(config))
     release = None
     if isinstance(noise, CorrelatedNoise):
         release = functools.partial(noise.whole_run, participation=sampler.participation)

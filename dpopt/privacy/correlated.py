@@ -48,11 +48,10 @@ def amplified(participation: Participation, horizon: int, period: int, bands: in
     return True
 
 
-def check_correlated_participation(participation: Participation, horizon: int, period: int,
-                                   bands: int | None = None) -> None:
-    """Refuse a sampling that the factorization's sensitivity does not cover."""
-    if amplified(participation, horizon, period, bands):
-        return
+def check_correlated_participation(participation: Participation, horizon: int, period: int) -> None:
+    """Refuse a sampling that the factorization's sensitivity does not cover (cyclic Poisson sampling is
+    covered by banded noise only, through ``amplified``; here it is refused)."""
+    amplified(participation, horizon, period, None)
     if isinstance(participation, PoissonSampling):
         raise AccountingError("correlated noise (tree aggregation, matrix factorizations) has no privacy analysis "
                               "with Poisson amplification; use fixed-order batches (--sampling fixed), or cyclic "
