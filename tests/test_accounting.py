@@ -8,6 +8,8 @@ from dp_accounting import pld, rdp
 
 from dpopt.privacy import (AccountingError, FixedParticipation, GaussianRelease, PoissonSampling, PrivacyLedger,
                            epsilon_of, noise_multiplier_for)
+from dpopt.privacy import ledger
+from dpopt.privacy.ledger import FINE, pld_interval
 
 
 def poisson(z, q, steps):
@@ -105,3 +107,31 @@ def test_bad_participation_refused():
         PoissonSampling(1.5)
     with pytest.raises(ValueError, match="participation period must be >= 1"):
         FixedParticipation(0)
+
+
+def exact_gaussian_epsilon(sigma: float, delta: float) -> float:
+    """The exact epsilon of one Gaussian mechanism of sensitivity 1 and std sigma (Balle & Wang 2018, Thm 8:
+    delta(eps) = Phi(1/(2 sigma) - eps sigma) - e^eps Phi(-1/(2 sigma) - eps sigma)), in log space."""
+    from scipy import optimize, special
+
+    def gap(eps: float) -> float:
+        return (math.exp(special.log_ndtr(0.5 / sigma - eps * sigma))
+                - math.exp(eps + special.log_ndtr(-0.5 / sigma - eps * sigma)) - delta)
+
+    return optimize.brentq(gap, 0.0, 1e5, xtol=1e-9)
+
+
+def test_pld_grid_coarsens_past_epsilon_100_and_still_bounds_epsilon(monkeypatch):
+    """25 Gaussians of z = 0.2 are one of z / 5 (exact epsilon about 418): a fixed 1e-4 grid would hold
+    millions of points (z = 0.05 on MNIST's shape: 10 GB); the coarser grid's epsilon stays an upper bound,
+    loose by at most steps x grid step (a grid of 1e4 points here, for speed). Runs of ordinary epsilon keep
+    dp-accounting's grid."""
+    assert pld_interval(poisson(1.1, 256 / 60000, 14063), 1e-5) == FINE
+    monkeypatch.setattr(ledger, "GRID_POINTS", 1e4)
+    releases = [GaussianRelease(0.2, FixedParticipation(1), 25)]
+    step = pld_interval(releases, 1e-5)
+    assert step > 100 * FINE
+    eps = epsilon_of(releases, 1e-5)
+    assert eps == releases[0].pld(ledger.Relation.ADD_REMOVE, step).get_epsilon_for_delta(1e-5)
+    exact = exact_gaussian_epsilon(0.2 / 5, 1e-5)
+    assert exact <= eps <= exact + 25 * step

@@ -216,6 +216,9 @@ def _make_accountant(kind: str, relation: Relation) -> dpa.PrivacyAccountant:
 
 # dp-accounting's PLDAccountant default; COARSE is pessimistic (never under-reports) and 10x faster.
 FINE, COARSE = 1e-4, 1e-3
+# A fixed grid step makes the PLD's grid, and its memory, grow with the privacy loss's range (z = 0.05 at
+# MNIST's rate over 9,380 steps, epsilon 8,100: 10 GB and 163 s); past epsilon 100 the step is epsilon / this.
+GRID_POINTS = 1e6
 
 
 @functools.lru_cache(maxsize=32)
@@ -259,8 +262,25 @@ def epsilon_of(releases: list[Release], delta: float, accountant: str = "pld",
     if any(getattr(r, "noise_multiplier", None) == 0.0 for r in releases):
         return math.inf
     if accountant == "pld":
+        interval = pld_interval(releases, delta, interval)
         dist = functools.reduce(lambda a, b: a.compose(b), (r.pld(relation, interval) for r in releases))
         return float(dist.get_epsilon_for_delta(delta))
+    return _rdp_epsilon(events, delta, relation)
+
+
+def pld_interval(releases: list[Release], delta: float, interval: float = FINE) -> float:
+    """The PLD's grid step: ``interval``, or an RDP estimate of epsilon (add-remove, which every release has)
+    over ``GRID_POINTS`` where that is coarser. Any step is safe: the discretisation rounds each release's
+    losses up, so a coarser step only loosens the bound, by at most step x releases (k / 1e6 relative)."""
+    try:
+        events = [r.dp_event("rdp", Relation.ADD_REMOVE) for r in releases]
+    except AccountingError:
+        return interval
+    estimate = _rdp_epsilon(events, delta, Relation.ADD_REMOVE)
+    return max(interval, estimate / GRID_POINTS) if math.isfinite(estimate) else interval
+
+
+def _rdp_epsilon(events: list[dpa.DpEvent], delta: float, relation: Relation) -> float:
     with _quiet_absl():
         curve = sum(_rdp_of(e, relation) for e in events)
         return float(rdp.rdp_privacy_accountant.compute_epsilon(rdp.rdp_privacy_accountant.DEFAULT_RDP_ORDERS,
