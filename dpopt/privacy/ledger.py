@@ -271,7 +271,8 @@ def epsilon_of(releases: list[Release], delta: float, accountant: str = "pld",
 def pld_interval(releases: list[Release], delta: float, interval: float = FINE) -> float:
     """The PLD's grid step: ``interval``, or an RDP estimate of epsilon (add-remove, which every release has)
     over ``GRID_POINTS`` where that is coarser. Any step is safe: the discretisation rounds each release's
-    losses up, so a coarser step only loosens the bound, by at most step x releases (k / 1e6 relative)."""
+    losses up, so a coarser step only loosens the bound, by at most step x releases (about releases / 1e6
+    of epsilon)."""
     try:
         events = [r.dp_event("rdp", Relation.ADD_REMOVE) for r in releases]
     except AccountingError:
