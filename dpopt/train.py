@@ -603,7 +603,8 @@ def extended(config: TrainConfig, epochs: int | None) -> TrainConfig:
         raise ValueError(f"--epochs {epochs} is below the run's {config.epochs}: a resumed run can be extended, "
                          "not shortened")
     if config.algorithm not in NON_PRIVATE and config.noise_kind != "gaussian":
-        raise ValueError(f"{config.noise_kind} noise is built for the run's {config.epochs} epochs and cannot be "
+        kind = run_noise_kind(config, 0)  # banded under cyclic sampling (the steps only matter to dense mf)
+        raise ValueError(f"{kind} noise is built for the run's {config.epochs} epochs and cannot be "
                          f"extended to {epochs}; start a new run")
     return dataclasses.replace(config, epochs=epochs, calibration_epochs=config.calibration_epochs or config.epochs)
 
