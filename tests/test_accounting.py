@@ -8,6 +8,7 @@ from dp_accounting import pld, rdp
 
 from dpopt.privacy import (AccountingError, FixedParticipation, GaussianRelease, PoissonSampling, PrivacyLedger,
                            epsilon_of, noise_multiplier_for)
+from dpopt.federated.privacy import gaussian_epsilon
 from dpopt.privacy import ledger
 from dpopt.privacy.ledger import FINE, pld_interval
 
@@ -109,18 +110,6 @@ def test_bad_participation_refused():
         FixedParticipation(0)
 
 
-def exact_gaussian_epsilon(sigma: float, delta: float) -> float:
-    """The exact epsilon of one Gaussian mechanism of sensitivity 1 and std sigma (Balle & Wang 2018, Thm 8:
-    delta(eps) = Phi(1/(2 sigma) - eps sigma) - e^eps Phi(-1/(2 sigma) - eps sigma)), in log space."""
-    from scipy import optimize, special
-
-    def gap(eps: float) -> float:
-        return (math.exp(special.log_ndtr(0.5 / sigma - eps * sigma))
-                - math.exp(eps + special.log_ndtr(-0.5 / sigma - eps * sigma)) - delta)
-
-    return optimize.brentq(gap, 0.0, 1e5, xtol=1e-9)
-
-
 def test_pld_grid_coarsens_past_epsilon_100_and_still_bounds_epsilon(monkeypatch):
     """25 Gaussians of z = 0.2 are one of z / 5 (exact epsilon about 418): a fixed 1e-4 grid would hold
     millions of points (z = 0.05 on MNIST's shape: 10 GB); the coarser grid's epsilon stays an upper bound,
@@ -133,5 +122,5 @@ def test_pld_grid_coarsens_past_epsilon_100_and_still_bounds_epsilon(monkeypatch
     assert step > 100 * FINE
     eps = epsilon_of(releases, 1e-5)
     assert eps == releases[0].pld(ledger.Relation.ADD_REMOVE, step).get_epsilon_for_delta(1e-5)
-    exact = exact_gaussian_epsilon(0.2 / 5, 1e-5)
+    exact = gaussian_epsilon(5 / 0.2, 1e-5)  # Balle & Wang's exact epsilon, mu = sensitivity / std
     assert exact <= eps <= exact + 25 * step

@@ -134,7 +134,7 @@ def test_the_single_participation_error_is_the_matrix_one():
 def test_the_banded_optimiser_descends_through_the_series_inverse():
     """optimize_banded's loss inverts C by Newton's iteration on power series (O(T log T), not a T x T solve):
     it equals the dense inverse for any leading coefficient, its gradient is autograd's, and the optimum
-    keeps the objective of the dense formula below the square-root start."""
+    keeps the single-participation error (the dense formula's, test above) below the square-root start."""
     c = torch.tensor([2.0, -0.7, 0.3, 0.05, -0.1], dtype=torch.float64)
     assert torch.allclose(fz.inverse_coefficients(c, 37), torch.linalg.inv(fz.toeplitz(c, 37))[:, 0], atol=1e-12)
     assert torch.autograd.gradcheck(lambda x: fz.inverse_coefficients(x, 23), (c.clone().requires_grad_(),))
