@@ -324,7 +324,7 @@ def cyclic_period(config: TrainConfig, n: int) -> int:
                            config.relation)
 
 
-SLOW_FACTORIZATION_STEPS = 1024  # beyond it, optimising an mf or banded factorization takes minutes: say so
+SLOW_FACTORIZATION_STEPS = 1024  # beyond it, optimising a dense mf factorization takes minutes: say so
 
 
 def run_noise_kind(config: TrainConfig, steps: int) -> str:
@@ -353,8 +353,8 @@ def build_run_noise(config: TrainConfig, sampler: Sampler, total: int, clip: flo
             "batches)")
     elif kind != config.noise_kind:
         log(f"{config.noise_kind} noise (the recipe's default) is out of reach over {total} steps (at most "
-            f"{MAX_DENSE_STEPS}): using {kind} noise (BandMF) instead; --noise tree is faster to set up")
-    if total > SLOW_FACTORIZATION_STEPS and (kind == "banded" or kind == "mf" and total <= MAX_DENSE_STEPS):
+            f"{MAX_DENSE_STEPS}): using {kind} noise (BandMF) instead")
+    if kind == "mf" and SLOW_FACTORIZATION_STEPS < total <= MAX_DENSE_STEPS:
         log(f"optimising the {kind} factorization for {total} steps (once, before training; minutes at this size)")
     # cyclic sampling: the factorization's sensitivity is one participation's, amplified (privacy.correlated)
     period = total if isinstance(sampler.participation, CyclicPoissonSampling) else sampler.steps_per_epoch

@@ -7,7 +7,7 @@ A shape is (training examples, batch, epochs): digits' and MNIST's at the defaul
 of the clip bound on the prefix sums of the steps' clipped sums, the quantity the factorizations minimise
 (``fz.single_participation_error``; fixed order: ``fz.expected_error`` at the one-Gaussian multiplier of the
 whole run). The fixed-order factorization is dense MF up to 2,048 steps and banded with one epoch's bands
-beyond (``dpopt train``'s choice on fixed-order batches; minutes to optimise at 9,380 steps).
+beyond (``dpopt train``'s choice on fixed-order batches; seconds to optimise at 9,380 steps).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def shape_row(n: int, batch: int, epochs: int, epsilon: float, delta: float, lar
     part = FixedOrderParticipation(fixed_period)
     z = noise_multiplier_for(epsilon, delta, part, fixed_steps,
                              release=lambda m: whole_run(m, name, fixed_steps, fixed_period, part))
-    error = fz.expected_error(fz.toeplitz(fz.workload_coefficients(fixed_steps), fixed_steps), c, fixed_period)
+    error = fz.expected_error(fz.toeplitz(fz.workload_coefficients(fixed_steps), fixed_steps), fz.from_bands(c),
+                               fixed_period)
     row["fixed_order"] = {"factorization": name, "steps": fixed_steps, "z": round(z, 4), "noise": round(z * error, 2),
                           "cpu_s": round(time.process_time() - start, 1)}
     return row

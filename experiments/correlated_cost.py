@@ -40,7 +40,7 @@ def factorization_costs(steps: int, dense_iters: int) -> dict:
     row["sqrt_error"] = fz.expected_error(w, sqrt_c, steps)
     _, row["tree_sensitivity_s"] = cpu(lambda: fz.tree_prefix_sensitivities(steps, steps, True))
     for bands in (16, 64, steps):
-        c, t = cpu(lambda: fz.normalize_columns(fz.toeplitz(fz.optimize_banded(w, bands, steps), steps), steps))
+        c, t = cpu(lambda: fz.normalize_columns(fz.toeplitz(fz.optimize_banded(w[:, 0], bands, steps), steps), steps))
         row[f"banded_{bands}_s"], row[f"banded_{bands}_error"] = t, fz.expected_error(w, c, steps)
     dense, row["dense_s"] = cpu(lambda: fz.optimize_dense(w, steps, max_iter=dense_iters))
     row["dense_iters"], row["dense_error"] = dense_iters, fz.expected_error(w, dense, steps)
@@ -51,8 +51,8 @@ def factorization_costs(steps: int, dense_iters: int) -> dict:
 
 def noise_costs(params: int, horizon: int, steps: int) -> dict:
     stream = SecretStream(0, "noise")
-    sqrt16 = fz.normalize_columns(fz.toeplitz(fz.sqrt_coefficients(16), horizon), horizon)
-    sqrt_full = fz.normalize_columns(fz.toeplitz(fz.sqrt_coefficients(horizon), horizon), horizon)
+    sqrt16 = fz.normalize_bands(fz.toeplitz_bands(fz.sqrt_coefficients(16), horizon), horizon)
+    sqrt_full = fz.normalize_bands(fz.toeplitz_bands(fz.sqrt_coefficients(horizon), horizon), horizon)
     mechanisms = {
         "gaussian (iid)": GaussianNoise(1.0, 1.0, stream),
         "tree, sum": TreeNoise(1.0, 1.0, stream, horizon, horizon, "sum"),
@@ -83,8 +83,8 @@ def prefix_errors(steps: int, coordinates: int = 2000) -> dict:
         "gaussian (iid)": GaussianNoise(1.0, 1.0, stream),
         "tree, sum": TreeNoise(1.0, 1.0, stream, steps, steps, "sum"),
         "tree, least-squares": TreeNoise(1.0, 1.0, stream, steps, steps, "least-squares"),
-        "sqrt": MatrixNoise(1.0, 1.0, stream, fz.normalize_columns(fz.toeplitz(fz.sqrt_coefficients(steps), steps),
-                                                                      steps), steps, "sqrt"),
+        "sqrt": MatrixNoise(1.0, 1.0, stream, fz.normalize_bands(fz.toeplitz_bands(fz.sqrt_coefficients(steps), steps),
+                                                                    steps), steps, "sqrt"),
     }
     marks = [t for t in (1, 4, 16, 64, 256, 1024, 4096) if t <= steps]
     out = {}

@@ -147,6 +147,28 @@ def test_column_sum_formula_is_the_brute_force_maximum_and_negative_gram_is_refu
     assert torch.allclose(fz.prefix_sensitivities(nodes, 6, release), fz.tree_prefix_sensitivities(20, 6, True))
 
 
+@pytest.mark.parametrize("steps,bands,period", [(23, 4, 5), (23, 4, 23), (23, 9, 4), (23, 23, 6)])
+def test_band_storage_equals_the_dense_sensitivities(steps, bands, period):
+    """The band storage MatrixNoise is built from (O(T p), no T x T matrix) gives the dense functions' values."""
+    torch.manual_seed(steps + bands + period)
+    c = torch.rand(steps, steps, dtype=F64).tril() * (torch.ones(steps, steps).tril(-bands) == 0)
+    stored = fz.to_bands(c)
+    assert stored.shape == (steps, bands) and torch.equal(fz.from_bands(stored), c)
+    assert torch.allclose(fz.band_prefix_sensitivities(stored, period), fz.prefix_sensitivities(c, period))
+    assert torch.allclose(fz.from_bands(fz.normalize_bands(stored, period)), fz.normalize_columns(c, period))
+    coefficients = torch.rand(bands, dtype=F64)
+    assert torch.equal(fz.toeplitz_bands(coefficients, steps), fz.to_bands(fz.toeplitz(coefficients, steps)))
+    signed = c.clone()
+    signed[bands - 1:, 0] = 0.0
+    signed[1:bands, 0] = -1.0
+    if bands > period:  # an example's columns share rows: negative inner products are refused, as dense
+        with pytest.raises(ValueError, match="negative inner products"):
+            fz.normalize_bands(fz.to_bands(signed), period)
+    else:  # they never share a row: any sign is aligned
+        assert torch.allclose(fz.band_prefix_sensitivities(fz.to_bands(signed), period),
+                              fz.prefix_sensitivities(signed, period))
+
+
 def test_square_root_factorization():
     steps = 120
     c = fz.toeplitz(fz.sqrt_coefficients(steps), steps)
@@ -161,8 +183,8 @@ def test_optimised_factorizations_beat_sqrt_and_iid():
     w = fz.toeplitz(fz.workload_coefficients(steps, momentum=0.9), steps)
     identity = fz.expected_error(w, torch.eye(steps, dtype=F64), period)
     sqrt = fz.expected_error(w, fz.normalize_columns(fz.toeplitz(fz.sqrt_coefficients(steps), steps), period), period)
-    banded = fz.expected_error(w, factorization("banded", steps, period, 0, 0.9)[0], period)
-    dense = fz.expected_error(w, factorization("mf", steps, period, 0, 0.9)[0], period)
+    banded = fz.expected_error(w, fz.from_bands(factorization("banded", steps, period, 0, 0.9)[0]), period)
+    dense = fz.expected_error(w, fz.from_bands(factorization("mf", steps, period, 0, 0.9)[0]), period)
     assert dense <= banded * 1.001 and dense < sqrt < identity
     assert banded < identity
     with pytest.raises(ValueError, match="bands <= steps per epoch"):

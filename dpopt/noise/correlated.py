@@ -186,30 +186,23 @@ class TreeNoise(CorrelatedNoise):
 
 class MatrixNoise(CorrelatedNoise):
     """n = C⁻¹Z for a lower-triangular C (rows: the steps) with ``bands`` bands, normalised to sensitivity 1
-    under the participation (``factorizations.normalize_columns``). Forward substitution keeps the last
-    bands - 1 rows of n: W_t = (Z_t - Σ_{0 < t-s < bands} C[t, s] W_s) / C[t, t]."""
+    under the participation (``factorizations.normalize_bands``), given in band storage
+    (``factorizations.to_bands``: ``bands[t, -1]`` = C[t, t]). Forward substitution keeps the last bands - 1
+    rows of n: W_t = (Z_t - Σ_{0 < t-s < bands} C[t, s] W_s) / C[t, t]. Never forms the T x T matrix."""
 
-    def __init__(self, noise_multiplier: float, sensitivity: float, stream: SecretStream, c: torch.Tensor,
+    def __init__(self, noise_multiplier: float, sensitivity: float, stream: SecretStream, bands: torch.Tensor,
                  period: int, factorization: str) -> None:
-        steps = c.shape[0]
-        if c.shape != (steps, steps) or bool((c.triu(1) != 0).any()) or not bool((c.diagonal() > 0).all()):
-            raise ValueError("a matrix factorization needs a square lower-triangular C with a positive diagonal")
-        nonzero = (c != 0).nonzero()
-        self.bands = int((nonzero[:, 0] - nonzero[:, 1]).max()) + 1
-        idx = torch.arange(steps)[:, None] - self.bands + 1 + torch.arange(self.bands)[None, :]
-        band = torch.where(idx >= 0, c.gather(1, idx.clamp_min(0)), torch.zeros((), dtype=c.dtype))
-        self._band = band.to(torch.float32)  # band[t, j] = C[t, t - bands + 1 + j]; band[t, -1] = C[t, t]
+        if bands.dim() != 2 or not bool((bands[:, -1] > 0).all()):
+            raise ValueError("a matrix factorization needs a lower-triangular C with a positive diagonal, given by "
+                             "its bands (factorizations.to_bands)")
+        steps, self.bands = bands.shape
+        self._band = bands.to(torch.float32)  # band[t, j] = C[t, t - bands + 1 + j]; band[t, -1] = C[t, t]
         super().__init__(noise_multiplier, sensitivity, stream, steps, period, factorization,
-                         fz.prefix_sensitivities(c, period))
+                         fz.band_prefix_sensitivities(bands, period))
 
     def matrix(self) -> torch.Tensor:
         """C (T x T, float64) rebuilt from the bands the noise is drawn with: for audits of short runs."""
-        c = torch.zeros(self.horizon, self.horizon, dtype=torch.float64)
-        for j in range(self.bands):
-            lag = self.bands - 1 - j  # band[t, j] = C[t, t - lag]
-            t = torch.arange(lag, self.horizon)
-            c[t, t - lag] = self._band[lag:, j].double()
-        return c
+        return fz.from_bands(self._band.double())
 
     def _advance(self, step: int, shapes: Shapes, device) -> list[torch.Tensor]:
         ring = self.bands - 1

@@ -18,6 +18,7 @@ max_j ‖Σ_i C[:, ib + j]‖₂ (spec §2.2; [15] L445). Otherwise that formula
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -146,6 +147,72 @@ def prefix_sensitivities(c: torch.Tensor, period: int, release: torch.Tensor | N
     return torch.cummax(out, 0).values
 
 
+# --- banded storage: C by its diagonals, O(T p) memory ------------------------------------------------------
+# bands[t, j] = C[t, t - p + 1 + j] for a lower-triangular C of bandwidth p (entries left of column 0 are 0);
+# bands[:, -1] is the diagonal. The functions below equal their dense counterparts above (tests) without
+# forming T x T matrices, which at T = 9,380 steps cost seconds and gigabytes.
+def _band_columns(steps: int, p: int) -> torch.Tensor:
+    """The column of C each entry of a [steps, p] band storage holds (negative: left of column 0)."""
+    return torch.arange(steps)[:, None] - p + 1 + torch.arange(p)[None, :]
+
+
+def to_bands(c: torch.Tensor) -> torch.Tensor:
+    """The band storage of a dense lower-triangular C, p its bandwidth."""
+    nonzero = (c != 0).nonzero()
+    p = int((nonzero[:, 0] - nonzero[:, 1]).max()) + 1 if nonzero.numel() else 1
+    cols = _band_columns(c.shape[0], p)
+    return torch.where(cols >= 0, c.gather(1, cols.clamp_min(0)), torch.zeros((), dtype=c.dtype))
+
+
+def toeplitz_bands(coefficients: torch.Tensor, steps: int) -> torch.Tensor:
+    """The band storage of ``toeplitz(coefficients, steps)``: every row holds the coefficients reversed."""
+    p = min(steps, coefficients.shape[0])
+    cols = _band_columns(steps, p)
+    return torch.where(cols >= 0, coefficients[:p].to(F64).flip(0), torch.zeros((), dtype=F64))
+
+
+def from_bands(bands: torch.Tensor) -> torch.Tensor:
+    """The dense C (T x T) of a band storage."""
+    steps, p = bands.shape
+    cols = _band_columns(steps, p)
+    rows = torch.arange(steps)[:, None].expand(steps, p)
+    keep = cols >= 0
+    c = torch.zeros(steps, steps, dtype=bands.dtype)
+    c[rows[keep], cols[keep]] = bands[keep]
+    return c
+
+
+def _check_bands_aligned(bands: torch.Tensor, period: int) -> None:
+    """``check_aligned`` in O(T p) where it is implied: with p <= period an example's columns never share a
+    row, and a non-negative C has non-negative inner products; otherwise the dense check."""
+    if bands.shape[1] > period and bool((bands < 0).any()):
+        check_aligned(from_bands(bands), period)
+
+
+def _group_squares(bands: torch.Tensor, period: int) -> Iterator[torch.Tensor]:
+    """After each row t (released at step t): Σ over rows <= t of the square of the row's sum over each group's
+    columns, per group (one tensor, updated in place). Its last value is ``group_sensitivities`` squared."""
+    _check_bands_aligned(bands, period)
+    steps, p = bands.shape
+    groups = _band_columns(steps, p).remainder(period)  # entries left of column 0 are 0: any group will do
+    sq = torch.zeros(period, dtype=F64)
+    for t in range(steps):
+        sq += torch.zeros(period, dtype=F64).index_add_(0, groups[t], bands[t].to(F64)).square()
+        yield sq
+
+
+def band_prefix_sensitivities(bands: torch.Tensor, period: int) -> torch.Tensor:
+    """``prefix_sensitivities(from_bands(bands), period)`` in O(T (p + period)) time and O(T p) memory."""
+    return torch.stack([sq.max() for sq in _group_squares(bands, period)]).sqrt()
+
+
+def normalize_bands(bands: torch.Tensor, period: int) -> torch.Tensor:
+    """``normalize_columns`` on the band storage: every position's sensitivity exactly 1."""
+    *_, sq = _group_squares(bands, period)
+    groups = _band_columns(*bands.shape).remainder(period)
+    return bands / sq.sqrt().clamp_min(1e-300)[groups]
+
+
 # --- optimisation -----------------------------------------------------------------------------------------
 def _lbfgs(params: torch.Tensor, loss_fn, max_iter: int) -> None:
     opt = torch.optim.LBFGS([params], lr=1.0, max_iter=max_iter, history_size=10, tolerance_grad=1e-12,
@@ -188,14 +255,15 @@ def optimize_dense(workload: torch.Tensor, period: int, max_iter: int = 300) -> 
 
 def optimize_banded(workload: torch.Tensor, bands: int, period: int, max_iter: int = 500) -> torch.Tensor:
     """The first ``bands`` coefficients of a lower-triangular Toeplitz C minimising ‖W C⁻¹‖_F² · sens(C)²
-    for a Toeplitz workload W (banded MF, Choquette-Choo et al. 2023). Needs bands <= period, so that an
-    example's participations never share a row and the sensitivity has the closed form
-    sens² = Σ_i ‖c[:min(bands, T - i·period)]‖² (position 0 is the worst). O(T log T) per evaluation."""
+    for the Toeplitz workload W whose first column is ``workload`` (banded MF, Choquette-Choo et al. 2023).
+    Needs bands <= period, so that an example's participations never share a row and the sensitivity has the
+    closed form sens² = Σ_i ‖c[:min(bands, T - i·period)]‖² (position 0 is the worst). O(T log T) per
+    evaluation."""
     steps = workload.shape[0]
     if not 1 <= bands <= min(period, steps):
         raise ValueError(f"banded noise needs 1 <= bands <= steps per epoch ({min(period, steps)}) so that an "
                          f"example's participations never share a band; got {bands}")
-    w = workload[:, 0]
+    w = workload.to(F64)
     c = sqrt_coefficients(bands).clone().requires_grad_(True)
     lengths = [min(bands, steps - i * period) for i in range(math.ceil(steps / period))]
     weights = torch.arange(steps, 0, -1, dtype=F64)  # a Toeplitz coefficient k appears T - k times

@@ -38,24 +38,24 @@ def workload_name(momentum: float, decay: float) -> str:
 @functools.lru_cache(maxsize=8)
 def factorization(kind: str, steps: int, period: int, bands: int = 0, momentum: float = 0.0,
                   decay: float = 0.0) -> tuple[torch.Tensor, str]:
-    """The normalised C (sensitivity 1 under fixed-order participation every ``period`` steps) and its name.
-    ``bands`` = 0 means all steps (sqrt) or one epoch's steps (banded)."""
+    """The normalised C (sensitivity 1 under fixed-order participation every ``period`` steps) in band storage
+    (``factorizations.to_bands``) and its name. ``bands`` = 0 means all steps (sqrt) or one epoch's steps
+    (banded). Toeplitz factorizations never form a T x T matrix."""
     if kind == "sqrt":
         p = bands or steps
-        c = fz.toeplitz(fz.sqrt_coefficients(min(p, steps)), steps)
+        c = fz.toeplitz_bands(fz.sqrt_coefficients(min(p, steps)), steps)
         name = "sqrt" if p >= steps else f"sqrt-{p}-bands"
-    elif kind in ("banded", "mf"):
+    elif kind == "banded":
+        p = bands or min(period, steps)
+        c = fz.toeplitz_bands(fz.optimize_banded(fz.workload_coefficients(steps, momentum, decay), p, period), steps)
+        name = f"banded-{p}[{workload_name(momentum, decay)}]"
+    elif kind == "mf":
         w = fz.toeplitz(fz.workload_coefficients(steps, momentum, decay), steps)
-        if kind == "banded":
-            p = bands or min(period, steps)
-            c = fz.toeplitz(fz.optimize_banded(w, p, period), steps)
-            name = f"banded-{p}[{workload_name(momentum, decay)}]"
-        else:
-            c = fz.optimize_dense(w, period)
-            name = f"mf[{workload_name(momentum, decay)}]"
+        c = fz.to_bands(fz.optimize_dense(w, period))
+        name = f"mf[{workload_name(momentum, decay)}]"
     else:
         raise ValueError(f"unknown factorization {kind!r}; choose one of sqrt, banded, mf")
-    return fz.normalize_columns(c, period), name
+    return fz.normalize_bands(c, period), name
 
 
 def amplified_noise(epsilon: float, delta: float, dataset_size: int, batch_size: int, steps: int,
@@ -95,7 +95,7 @@ def build_noise(kind: str, noise_multiplier: float, clip: float, stream: SecretS
     if kind == "mf" and horizon > MAX_DENSE_STEPS:
         raise ValueError(f"dense mf noise over {horizon} steps is out of reach (its optimiser costs O(T³) per iteration "
                          f"and it keeps a model-sized row per step; at most {MAX_DENSE_STEPS} steps): use --noise tree, "
-                         "or banded (minutes to optimise at this size), or fewer steps (--epochs, a larger --batch-size)")
+                         "or banded (seconds to optimise), or fewer steps (--epochs, a larger --batch-size)")
     if kind == "gaussian":
         return GaussianNoise(noise_multiplier, clip, stream)
     if kind == "tree":

@@ -18,8 +18,8 @@ def timed(label: str, fn):
     return out
 
 
-w = timed("workload T x T", lambda: fz.toeplitz(fz.workload_coefficients(T), T))
+w = timed("workload coefficients", lambda: fz.workload_coefficients(T))
 c = timed("optimize_banded", lambda: fz.optimize_banded(w, p, T))
-C = timed("toeplitz C", lambda: fz.toeplitz(c, T))
-C = timed("normalize_columns", lambda: fz.normalize_columns(C, T))
-timed("prefix_sensitivities", lambda: fz.prefix_sensitivities(C, T))
+C = timed("toeplitz_bands", lambda: fz.toeplitz_bands(c, T))
+C = timed("normalize_bands", lambda: fz.normalize_bands(C, T))
+timed("band_prefix_sensitivities", lambda: fz.band_prefix_sensitivities(C, T))
