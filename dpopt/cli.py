@@ -373,14 +373,15 @@ def _train(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     config = epochs = None
     if args.resume:
-        saved = TrainConfig.from_dict(load_checkpoint(args.resume)["config"])
+        state = load_checkpoint(args.resume)
+        saved = TrainConfig.from_dict(state["config"])
         given = _given(args.argv)
         differences = _resume_differences(args, given, saved)
         if differences:
             raise ValueError("--resume continues the run as configured, and only a larger --epochs may extend it; "
                              f"these flags differ from the run's: {'; '.join(differences)}")
         epochs = args.epochs if "epochs" in given else None
-        extended(saved, epochs)  # refuses before anything starts
+        extended(saved, epochs, state["sampler"]["steps_per_epoch"])  # refuses before anything starts
         check_writable(args.resume)
     else:
         fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"hp"}

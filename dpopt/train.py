@@ -593,17 +593,18 @@ def export_model(model: nn.Module, folder: Path, tokenizer: str | None = None) -
     return write_atomic(folder / "model.pt", lambda f: torch.save(model.state_dict(), f))
 
 
-def extended(config: TrainConfig, epochs: int | None) -> TrainConfig:
+def extended(config: TrainConfig, epochs: int | None, steps_per_epoch: int) -> TrainConfig:
     """``config`` run to ``epochs`` (None: as it is) when resuming. Extending keeps the noise calibrated for the
     original length, so the extra steps spend more privacy (the ledger accounts for every one); correlated noise
-    is built for a fixed number of steps and cannot be extended."""
+    is built for a fixed number of steps and cannot be extended (the refusal names the run's mechanism, which
+    depends on its ``config.epochs * steps_per_epoch`` steps)."""
     if epochs is None or epochs == config.epochs:
         return config
     if epochs < config.epochs:
         raise ValueError(f"--epochs {epochs} is below the run's {config.epochs}: a resumed run can be extended, "
                          "not shortened")
     if config.algorithm not in NON_PRIVATE and config.noise_kind != "gaussian":
-        kind = run_noise_kind(config, 0)  # banded under cyclic sampling (the steps only matter to dense mf)
+        kind = run_noise_kind(config, config.epochs * steps_per_epoch)
         raise ValueError(f"{kind} noise is built for the run's {config.epochs} epochs and cannot be "
                          f"extended to {epochs}; start a new run")
     return dataclasses.replace(config, epochs=epochs, calibration_epochs=config.calibration_epochs or config.epochs)
@@ -615,7 +616,7 @@ def resume(out: str | Path, progress: bool = True, log: Callable[[str], None] = 
     with ``parallel``, rank 0 reads the checkpoint and sends it to the other ranks)."""
     state = load_checkpoint(out) if parallel is None else parallel.from_lead(lambda: load_checkpoint(out))
     saved = TrainConfig.from_dict(state["config"])
-    config = extended(saved, epochs)
+    config = extended(saved, epochs, state["sampler"]["steps_per_epoch"])
     if config is not saved and (parallel is None or parallel.lead):
         log(f"extending the run from {saved.epochs} to {epochs} epochs: the noise stays as calibrated for "
             f"{config.calibration_epochs} epochs, so epsilon grows past the target with every extra step "
