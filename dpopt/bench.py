@@ -30,7 +30,8 @@ kappa 0.7, gamma 0.5) and ``dp-srg-memf`` (the SRG difference g(x_t) - g(x_t-1);
 its ``torch.cuda.synchronize`` and ``peak_mb`` is ``max_memory_allocated``); ``--precision bf16|fp16`` autocasts
 every system's forward (dpopt's norms, clipped sums and noise stay fp32; fp16 needs CUDA).
 
-Workloads: ``cnn`` — the 28x28 Tanh CNN (dpopt.models.cnn) on random images; ``bert`` — a BERT-shaped
+Workloads: ``cnn`` — the 28x28 Tanh CNN (dpopt.models.cnn) on random images; ``vit`` — ``vit-tiny`` (dpopt.models,
+a Hugging Face ViT: patches of 7, 4 layers, hidden 64; 72 small parameter tensors) on random images; ``bert`` — a BERT-shaped
 Hugging Face model (6 layers, hidden 384, 12 heads, intermediate 1536: MiniLM's shape, random weights) on
 random token ids. Every DP system uses noise multiplier 1 and clip norm 1 with fixed-size batches.
 Opacus gets explicit ``position_ids`` and ``token_type_ids`` on BERT (without them its hooks fail on a
@@ -65,7 +66,7 @@ from dpopt.device import add_device_arguments, autocast, autocast_dtype, resolve
 SYSTEMS = ("pytorch", "dpopt", "dpopt-materialize", "opacus-hooks", "opacus-ghost", "dp-grape", "dp-galore",
            "galore", "dpzero", "disk-sgd", "dp-srg-memf")
 DEFAULT_SYSTEMS = ("pytorch", "dpopt", "opacus-hooks", "opacus-ghost")
-WORKLOADS = ("cnn", "bert", "minilm")
+WORKLOADS = ("cnn", "vit", "bert", "minilm")
 # glibc: no trimming of the heap's top, and allocations up to 32 MiB (glibc's cap) from the heap, not mmap.
 STEADY_HEAP = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(1 << 25)}
 
@@ -87,7 +88,7 @@ class Case:
 
     @property
     def label(self) -> str:
-        seq = f" s{self.seq}" if self.workload != "cnn" else ""
+        seq = f" s{self.seq}" if self.workload in ("bert", "minilm") else ""
         physical = f" p{self.physical}" if self.physical else ""
         extra = "".join(f" {v}" for v, d in ((self.device, "cpu"), (self.precision, "fp32")) if v != d)
         return f"{self.workload} b{self.batch}{seq}{physical} {self.optimizer}{extra}"
@@ -145,6 +146,13 @@ def _cpu_workload(case: Case, system: str) -> tuple[nn.Module, Any, Callable]:
         data = (torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,)))
         return model, data, lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none")
     from dpopt.data.datasets import Dataset
+    if case.workload == "vit":
+        from dpopt.models import vit_tiny
+
+        images = torch.randn(batch, 1, 28, 28)
+        model = vit_tiny(Dataset("bench", (images, torch.zeros(batch)), None, 10))
+        data = (images, torch.randint(0, 10, (batch,)))
+        return model, data, lambda m, b: F.cross_entropy(m(b[0]).logits, b[1], reduction="none")
     from dpopt.models import minilm_cls, minilm_random
 
     model = (minilm_cls if case.workload == "minilm" else minilm_random)(Dataset("bench", {"labels": torch.zeros(1)}, None, 2))
@@ -238,8 +246,9 @@ def _step_fn(system: str, case: Case, model: nn.Module, dataset: Any, loss: Call
         opt.zero_grad(set_to_none=True)
         data = take(dataset, index)
         with cast():
-            if isinstance(data, tuple):
-                logits, labels = model(data[0]), data[1]
+            if isinstance(data, tuple):  # a Hugging Face image model (vit) returns an output with logits
+                output, labels = model(data[0]), data[1]
+                logits = getattr(output, "logits", output)
             else:
                 logits, labels = model(**{k: v for k, v in data.items() if k != "labels"}).logits, data["labels"]
             out = criterion(logits, labels)

@@ -52,8 +52,8 @@ def test_clipped_sum_weighs_chunks_of_examples_to_the_two_pass_sum(mode, monkeyp
     """The clip stage's one pass (convolution gradients materialised a chunk of examples at a time, weighed
     and summed at once) gives the sums of the two-pass route (all norms, then one weighted sum), for one
     point and for a two-point combination."""
-    monkeypatch.setattr(engine_module, "chunks", lambda batch, per_example, device: [slice(i, i + 1)
-                                                                                     for i in range(batch)])
+    monkeypatch.setattr(engine_module, "chunks", lambda batch, per_example, device, at_least=1: [
+        slice(i, i + 1) for i in range(batch)])
     model, batch = Zoo(), zoo_batch(7)
     engine = PerExampleEngine(model, zoo_loss)
     clipping = Clipping(1e-2, mode)
@@ -88,7 +88,11 @@ def test_an_accelerator_forms_the_clip_stage_in_larger_chunks_than_a_cpu():
     per_example = 16384  # what the clip stage asks per example of the bench's Tanh CNN (dpopt bench --workload cnn)
     split, whole = captures.chunks(1024, per_example, cpu), captures.chunks(1024, per_example, gpu)
     assert len(split) > 1 and len(whole) == 1
-    for parts in (split, whole):
+    # the one-pass clip of materialised parameters takes at least DIRECT_ROWS examples a chunk (vit-tiny's
+    # two-point step asks 2^19 elements an example: 2 examples a chunk without the floor)
+    floored = captures.chunks(1024, 1 << 19, cpu, engine_module.DIRECT_ROWS)
+    assert len(captures.chunks(1024, 1 << 19, cpu)) == 512 and len(floored) == 1024 // engine_module.DIRECT_ROWS
+    for parts in (split, whole, floored):
         assert [i for s in parts for i in range(s.start, s.stop)] == list(range(1024))
 
 

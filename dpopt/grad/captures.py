@@ -39,9 +39,10 @@ def chunk_elements(device: torch.device) -> int:
     return CHUNK_ELEMENTS if device.type == "cpu" else ACCELERATOR_CHUNK_ELEMENTS
 
 
-def chunks(batch: int, per_example: int, device: torch.device) -> list[slice]:
-    """Slices of examples whose temporaries of ``per_example`` elements each fit in ``chunk_elements``."""
-    size = max(1, chunk_elements(device) // max(1, per_example))
+def chunks(batch: int, per_example: int, device: torch.device, at_least: int = 1) -> list[slice]:
+    """Slices of examples whose temporaries of ``per_example`` elements each fit in ``chunk_elements``, but of
+    ``at_least`` examples."""
+    size = max(at_least, chunk_elements(device) // max(1, per_example))
     return [slice(i, min(i + size, batch)) for i in range(0, batch, size)]
 
 

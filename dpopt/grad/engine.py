@@ -102,6 +102,12 @@ def _check_example_major(unit: _Unit, x: torch.Tensor, b: int) -> None:
 
 
 BENIGN = 16
+# ``clipped_sum``'s one pass over the materialised parameters works a chunk of examples at a time and, per chunk,
+# every such parameter in turn: a chunk holds at least this many examples, or a model of many small parameters
+# spends its step in per-call overhead (vit-tiny's two-point step: 3 examples a chunk at 2^20 elements; 12.5 ->
+# 5.4 times PyTorch's CPU time, docs/performance.md). The pass needs 2 * per_example <= chunk_elements, so its
+# temporaries stay under DIRECT_ROWS * chunk_elements (64 MB of float32 on a CPU).
+DIRECT_ROWS = 16
 
 
 def _weighted_rows(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -239,7 +245,7 @@ class PerExampleGradients(PerExampleStatistic):
         sums: dict[int, torch.Tensor | None] = {j: None for j in direct}
         unflat = {j: self._unflat(j) for j in direct}
         weights = []
-        for s in chunks(self.batch_size, 2 * per_example, self.device):
+        for s in chunks(self.batch_size, 2 * per_example, self.device, DIRECT_ROWS):
             grads = {j: self._flat(j, s) for j in direct}
             for j, g in grads.items():
                 sq[s, j] = inner_dense(g, g)
