@@ -30,7 +30,8 @@ kappa 0.7, gamma 0.5) and ``dp-srg-memf`` (the SRG difference g(x_t) - g(x_t-1);
 its ``torch.cuda.synchronize`` and ``peak_mb`` is ``max_memory_allocated``); ``--precision bf16|fp16`` autocasts
 every system's forward (dpopt's norms, clipped sums and noise stay fp32; fp16 needs CUDA).
 
-Workloads: ``cnn`` — the 28x28 Tanh CNN (dpopt.models.cnn) on random images; ``vit`` — ``vit-tiny`` (dpopt.models,
+Workloads: ``cnn`` — the 28x28 Tanh CNN (dpopt.models.cnn) on random images; ``mlp`` — the MNIST MLP
+(dpopt.models.mlp: 784 -> 128 -> 10, one row per example) on random images; ``vit`` — ``vit-tiny`` (dpopt.models,
 a Hugging Face ViT: patches of 7, 4 layers, hidden 64; 72 small parameter tensors) on random images; ``bert`` — a BERT-shaped
 Hugging Face model (6 layers, hidden 384, 12 heads, intermediate 1536: MiniLM's shape, random weights) on
 random token ids. Every DP system uses noise multiplier 1 and clip norm 1 with fixed-size batches.
@@ -66,7 +67,7 @@ from dpopt.device import add_device_arguments, autocast, autocast_dtype, resolve
 SYSTEMS = ("pytorch", "dpopt", "dpopt-materialize", "opacus-hooks", "opacus-ghost", "dp-grape", "dp-galore",
            "galore", "dpzero", "disk-sgd", "dp-srg-memf")
 DEFAULT_SYSTEMS = ("pytorch", "dpopt", "opacus-hooks", "opacus-ghost")
-WORKLOADS = ("cnn", "vit", "bert", "minilm")
+WORKLOADS = ("cnn", "mlp", "vit", "bert", "minilm")
 # glibc: no trimming of the heap's top, and allocations up to 32 MiB (glibc's cap) from the heap, not mmap.
 STEADY_HEAP = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(1 << 25)}
 
@@ -139,10 +140,10 @@ def _cpu_workload(case: Case, system: str) -> tuple[nn.Module, Any, Callable]:
         raise ValueError(f"unknown workload {case.workload!r}; choose one of {', '.join(WORKLOADS)}")
     torch.manual_seed(0)
     batch, seq = case.batch, case.seq
-    if case.workload == "cnn":
-        from dpopt.models import cnn
+    if case.workload in ("cnn", "mlp"):
+        from dpopt.models import cnn, mlp
 
-        model = cnn((1, 28, 28), 10)
+        model = (cnn if case.workload == "cnn" else mlp)((1, 28, 28), 10)
         data = (torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,)))
         return model, data, lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none")
     from dpopt.data.datasets import Dataset

@@ -29,7 +29,7 @@ from dpopt.noise.mechanisms import NOISES
 from dpopt.privacy import (AccountingError, CyclicPoissonSampling, FixedParticipation, GaussianRelease, PoissonSampling,
                            Relation, epsilon_of, noise_multiplier_for)
 from dpopt.report import CURVES, LOG, TENSORBOARD
-from dpopt.train import CALIBRATIONS, MODEL_DIR, TrainConfig, extended, resume, train
+from dpopt.train import CALIBRATIONS, MODEL_DIR, TrainConfig, extended, resume, saved_steps_per_epoch, train
 
 DEFAULT_EPSILON = 2.0
 RUN_FILES = (CHECKPOINT, "metrics.json", LOG, CURVES, TENSORBOARD, MODEL_DIR)  # what dpopt train writes in --out
@@ -381,7 +381,7 @@ def _train(args: argparse.Namespace) -> int:
             raise ValueError("--resume continues the run as configured, and only a larger --epochs may extend it; "
                              f"these flags differ from the run's: {'; '.join(differences)}")
         epochs = args.epochs if "epochs" in given else None
-        extended(saved, epochs, state["sampler"]["steps_per_epoch"])  # refuses before anything starts
+        extended(saved, epochs, saved_steps_per_epoch(state))  # refuses before anything starts
         check_writable(args.resume)
     else:
         fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"hp"}

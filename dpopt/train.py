@@ -407,12 +407,23 @@ def _saved_key(state: dict[str, Any]) -> int | bytes | None:
     return state["rng"]["secret_key"]
 
 
-def _restore(run: Run, state: dict[str, Any]) -> None:
-    """Load a checkpoint into a freshly built run; refuses one that this config does not rebuild exactly."""
+def _check_complete(state: dict[str, Any]) -> None:
+    """Refuse a checkpoint written before its sampler, RNG state and CPU time were recorded."""
     missing = {"sampler", "rng", "cpu_time_s"} - set(state)
     if missing:
         raise CheckpointError(f"the checkpoint lacks {', '.join(sorted(missing))} (an older dpopt wrote it); "
                               "start a new run")
+
+
+def saved_steps_per_epoch(state: dict[str, Any]) -> int:
+    """The steps per epoch of the run a checkpoint holds (what ``extended`` names its noise by)."""
+    _check_complete(state)
+    return state["sampler"]["steps_per_epoch"]
+
+
+def _restore(run: Run, state: dict[str, Any]) -> None:
+    """Load a checkpoint into a freshly built run; refuses one that this config does not rebuild exactly."""
+    _check_complete(state)
     run.model.load_state_dict(state["model"])
     run.optimizer.load_state_dict(state["optimizer"])
     run.ledger.entries = PrivacyLedger.from_dict(state["ledger"]).entries
@@ -616,7 +627,7 @@ def resume(out: str | Path, progress: bool = True, log: Callable[[str], None] = 
     with ``parallel``, rank 0 reads the checkpoint and sends it to the other ranks)."""
     state = load_checkpoint(out) if parallel is None else parallel.from_lead(lambda: load_checkpoint(out))
     saved = TrainConfig.from_dict(state["config"])
-    config = extended(saved, epochs, state["sampler"]["steps_per_epoch"])
+    config = extended(saved, epochs, saved_steps_per_epoch(state))
     if config is not saved and (parallel is None or parallel.lead):
         log(f"extending the run from {saved.epochs} to {epochs} epochs: the noise stays as calibrated for "
             f"{config.calibration_epochs} epochs, so epsilon grows past the target with every extra step "

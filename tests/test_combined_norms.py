@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from dpopt.clipping import Clipping, clip_and_sum
-from dpopt.grad import PerExampleEngine
-from dpopt.grad.captures import Outer, coalesce, sq_norms
+from dpopt.grad import PerExampleEngine, captures
+from dpopt.grad.captures import Combination, Outer, coalesce, sq_norms
 from helpers import Zoo, zoo_batch, zoo_loss
 
 # (a, b) of the statistic a * g(x') + b * g(x): DiSK's c, 1 - c (gamma 0.01 gives c = 43) and SRG's
@@ -66,6 +66,23 @@ def test_ghost_norms_of_cancelling_steps_are_recomputed_exactly():
     exact = capture.materialize().double().flatten(1).square().sum(1)
     got = sq_norms(capture).double()
     assert torch.allclose(got, exact, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("coefficients,shift,recomputed", [((0.86, 0.14), 1.0, False), ((1.0, -0.08), 1.0, False),
+                                                         ((43.0, -42.0), 1e-4, True)])
+def test_a_combination_normed_by_its_grams_equals_its_materialised_norm(coefficients, shift, recomputed):
+    """Two-point terms of one row per example (an MLP's layer: the Gram route is far cheaper) are normed by
+    sum_ab c_a c_b <L_a L_b^T, R_a R_b^T>; where the coefficients cancel on nearly equal gradients the examples
+    fall under the guard and are recomputed from their materialised combination: exact either way."""
+    torch.manual_seed(0)
+    left, right = torch.randn(64, 1, 96), torch.randn(64, 1, 40)
+    near = Outer(left + shift * torch.randn_like(left), right + shift * torch.randn_like(right), 96, (96, 40))
+    combination = Combination([(coefficients[0], near), (coefficients[1], Outer(left, right, 96, (96, 40)))])
+    assert combination.by_ghost()
+    exact = combination.materialize().double().flatten(1).square().sum(1)
+    assert torch.allclose(sq_norms(combination).double(), exact, rtol=1e-5 if not recomputed else 1e-6, atol=0)
+    _, cancelled = captures._combination_sq_norms(combination)
+    assert bool(cancelled.all()) == recomputed and (recomputed or not bool(cancelled.any()))
 
 
 def test_merged_one_hot_captures_equal_their_combination():

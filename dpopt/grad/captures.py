@@ -368,9 +368,68 @@ def _outer_sq_norms(c: Outer) -> tuple[torch.Tensor, torch.Tensor | None]:
     return sq, sq * CANCELLING < torch.cat(own)
 
 
-def _recompute(c: Outer, sq: torch.Tensor, cancelled: torch.Tensor) -> None:
-    """In place: the squared norms of the ``cancelled`` examples (a mask) from their materialised gradients."""
-    rows = cancelled.nonzero().squeeze(1)
+class Combination(Capture):
+    """sum_k c_k G_k for dense-factored ``Outer`` captures of one parameter (a two-point statistic: DiSK's
+    mixture, SRG's difference). Normed by the ghost identity over every pair of terms where that is cheaper than
+    materialising, with the cancellation guard of a single capture (``_outer_sq_norms``) over all the terms'
+    steps together: an example whose terms or steps cancel is recomputed from its materialised combination."""
+
+    def __init__(self, terms: list[tuple[float, Outer]]) -> None:
+        self.terms = terms
+        first = terms[0][1]
+        self.shape, self.batch_size, self.rows, self.cols = first.shape, first.batch_size, first.rows, first.cols
+
+    @property
+    def steps(self) -> int:
+        return sum(t.steps for _, t in self.terms)
+
+    @property
+    def device(self) -> torch.device:
+        return self.terms[0][1].device
+
+    def check_unchanged(self) -> None:
+        for _, t in self.terms:
+            t.check_unchanged()
+
+    def by_ghost(self) -> bool:
+        """Whether the pairwise Gram route costs less than materialising the combination."""
+        return self.steps * self.steps * (self.rows + self.cols) <= (self.steps + 1) * self.rows * self.cols
+
+    def materialize(self, s: slice = slice(None)) -> torch.Tensor:
+        (c, t), *more = self.terms
+        g = _f32(t.materialize(s)) * c
+        for c, t in more:
+            g.add_(_f32(t.materialize(s)), alpha=c)
+        return g
+
+    def subset(self, rows: torch.Tensor) -> "Combination":
+        return Combination([(c, t.subset(rows)) for c, t in self.terms])
+
+
+def _combination_sq_norms(c: Combination) -> tuple[torch.Tensor, torch.Tensor]:
+    """||sum_k c_k G_k||^2 = sum_ab c_a c_b <L_a L_b^T, R_a R_b^T> per example, and the mask of the examples
+    whose value is under D / ``CANCELLING``, D = sum_k c_k^2 sum_t ||l_kt||^2 ||r_kt||^2 (as ``_outer_sq_norms``)."""
+    out, own = [], []
+    for s in chunks(c.batch_size, 3 * c.steps * c.steps, c.device):
+        factors = [(k, *t.factors(s)) for k, t in c.terms]
+        sq = d = None
+        for a, (ka, la, ra) in enumerate(factors):
+            for b, (kb, lb, rb) in enumerate(factors[a:], a):
+                gram = torch.bmm(_f32(ra), _f32(rb).transpose(1, 2))
+                left_gram = _left_gram(la, lb, gram.dtype)
+                part = _pairwise_dot(left_gram, gram) * (ka * kb * (1.0 if a == b else 2.0))
+                sq = part if sq is None else sq.add_(part)
+                if a == b:
+                    diag = (left_gram.diagonal(dim1=1, dim2=2) * gram.diagonal(dim1=1, dim2=2)).sum(1) * ka * ka
+                    d = diag if d is None else d.add_(diag)
+        out.append(sq)
+        own.append(d)
+    sq = torch.cat(out)
+    return sq, sq * CANCELLING < torch.cat(own)
+
+
+def _recompute(c: Outer | Combination, sq: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place: the squared norms of the examples ``rows`` (indices) from their materialised gradients."""
     g = c.subset(rows).materialize()
     sq[rows] = inner_dense(g, g)
 
@@ -393,15 +452,15 @@ def sq_norms(c: Capture) -> torch.Tensor:
 
 
 def sq_norms_of(captures: list[Capture]) -> list[torch.Tensor]:
-    """``sq_norms`` of each capture, with one host synchronisation in all (not one per capture): whether any
-    ghost norm cancelled is read for every capture at once, and only the captures with cancelled examples
-    (rare: two-point statistics of nearly opposite steps) are recomputed, one synchronisation each."""
+    """``sq_norms`` of each capture, with one host synchronisation in all (not one per capture): which examples'
+    ghost norms cancelled is read for every capture at once, and those examples are recomputed from their
+    materialised gradients (rare for one capture; common for a ``Combination`` whose coefficients cancel)."""
     out: list[torch.Tensor] = []
-    pending: list[tuple[Outer, torch.Tensor, torch.Tensor]] = []
+    pending: list[tuple[Outer | Combination, torch.Tensor, torch.Tensor]] = []
     for c in captures:
-        if isinstance(c, Outer):
+        if isinstance(c, (Outer, Combination)):
             c.check_unchanged()
-            sq, cancelled = _outer_sq_norms(c)
+            sq, cancelled = _outer_sq_norms(c) if isinstance(c, Outer) else _combination_sq_norms(c)
             if cancelled is not None:
                 pending.append((c, sq, cancelled))
         else:
@@ -409,10 +468,11 @@ def sq_norms_of(captures: list[Capture]) -> list[torch.Tensor]:
             sq = inner_dense(g, g)
         out.append(sq)
     if pending:
-        any_cancelled = torch.stack([m.any() for _, _, m in pending]).tolist()  # the one synchronisation
-        for (c, sq, cancelled), recompute in zip(pending, any_cancelled):
-            if recompute:
-                _recompute(c, sq, cancelled)
+        masks = torch.stack([m for _, _, m in pending]).tolist()  # the one synchronisation
+        for (c, sq, _), mask in zip(pending, masks):
+            rows = [i for i, cancelled in enumerate(mask) if cancelled]
+            if rows:
+                _recompute(c, sq, torch.tensor(rows, device=sq.device))
     return out
 
 

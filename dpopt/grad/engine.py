@@ -27,8 +27,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from dpopt.clipping import PerExampleStatistic
 from dpopt.device import FP16_LOSS_SCALE, autocast, autocast_dtype, rng_state, set_rng_state
-from dpopt.grad.captures import (Capture, Dense, Outer, by_materializing, check_version, chunk_elements, chunks,
-                                 coalesce, inner_dense)
+from dpopt.grad.captures import (Capture, Combination, Dense, Outer, by_materializing, check_version, chunk_elements,
+                                 chunks, coalesce, inner_dense)
 from dpopt.grad.captures import sq_norms_of
 from dpopt.grad.fallback import loss_gradients, module_gradients
 from dpopt.grad.rules import TOKENWISE, Rule, rule_for
@@ -186,22 +186,42 @@ class PerExampleGradients(PerExampleStatistic):
     def _combined(self, j: int) -> bool:
         return len(self.terms[j]) > 1
 
+    def _combination(self, j: int) -> Combination | None:
+        """The combined parameter ``j`` as a ``Combination`` normed by the ghost identity, where its terms are
+        dense-factored ``Outer`` captures for which that is cheaper; else None (normed from materialised vectors)."""
+        ts = self.terms[j]
+        if len(ts) < 2 or not all(type(t) is Outer and not t.indexed for _, t in ts):
+            return None
+        combination = Combination(ts)
+        return combination if combination.by_ghost() else None
+
+    def _materialized(self, j: int) -> bool:
+        """Whether parameter ``j`` is normed from its materialised per-example vectors."""
+        ts = self.terms[j]
+        if self._combined(j):
+            return self._combination(j) is None
+        return bool(ts) and by_materializing(ts[0][1])
+
     def sq_norms(self, skip: Collection[int] = ()) -> torch.Tensor:
         """Squared per-example norms per parameter, [B, P] in float32; the columns of the parameters in
         ``skip`` are left zero."""
         self._check_alive()
         self._settle()
         wanted = [j for j, ts in enumerate(self.terms) if j not in skip and ts]
-        captures = [t for j in wanted for _, t in self.terms[j]]
+        combinations = {j: c for j in wanted if self._combined(j) and (c := self._combination(j)) is not None}
+        captures = [t for j in wanted for t in [t for _, t in self.terms[j]] + [combinations.get(j)] if t is not None]
         norms = iter(sq_norms_of(captures))  # the captures' norms, one host synchronisation for all of them
-        of = {j: [next(norms) for _ in self.terms[j]] for j in wanted}
+        of = {j: [next(norms) for _ in range(len(self.terms[j]) + (j in combinations))] for j in wanted}
         cols = []
         for j, (p, ts) in enumerate(zip(self.engine.params, self.terms)):
             if j not in of:
                 cols.append(torch.zeros(self.batch_size, device=p.device, dtype=torch.float32))
             elif self._combined(j):
-                flats = (self._flat(j, s) for s in self._chunks(j))
-                sq = torch.cat([inner_dense(g, g) for g in flats])
+                if j in combinations:
+                    sq = of[j][-1]
+                else:
+                    flats = (self._flat(j, s) for s in self._chunks(j))
+                    sq = torch.cat([inner_dense(g, g) for g in flats])
                 size = sum(abs(c) * n.sqrt() for (c, _), n in zip(ts, of[j])) ** 2
                 self._benign[j] = (size <= BENIGN * sq).all()  # read in ``_sums``, with the others
                 cols.append(sq)
@@ -237,7 +257,7 @@ class PerExampleGradients(PerExampleStatistic):
         and the same vectors are summed with them at once. Otherwise norms and sums are two chunked passes."""
         self._check_alive()
         self._settle()
-        direct = [j for j, ts in enumerate(self.terms) if self._combined(j) or (ts and by_materializing(ts[0][1]))]
+        direct = [j for j in range(len(self.terms)) if self._materialized(j)]
         per_example = sum(self.shapes[j].numel() for j in direct)
         if not direct or per_example > chunk_elements(self.device) // 2:
             return self.weighted_sum(weigh(self.sq_norms()), release, into)
