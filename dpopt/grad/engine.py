@@ -208,17 +208,18 @@ class PerExampleGradients(PerExampleStatistic):
         self._check_alive()
         self._settle()
         wanted = [j for j, ts in enumerate(self.terms) if j not in skip and ts]
-        combinations = {j: c for j in wanted if self._combined(j) and (c := self._combination(j)) is not None}
-        captures = [t for j in wanted for t in [t for _, t in self.terms[j]] + [combinations.get(j)] if t is not None]
+        combinations = {j: c for j in wanted if (c := self._combination(j)) is not None}
+        captures = [t for j in wanted for _, t in self.terms[j]] + list(combinations.values())
         norms = iter(sq_norms_of(captures))  # the captures' norms, one host synchronisation for all of them
-        of = {j: [next(norms) for _ in range(len(self.terms[j]) + (j in combinations))] for j in wanted}
+        of = {j: [next(norms) for _ in self.terms[j]] for j in wanted}
+        combined = {j: next(norms) for j in combinations}
         cols = []
         for j, (p, ts) in enumerate(zip(self.engine.params, self.terms)):
             if j not in of:
                 cols.append(torch.zeros(self.batch_size, device=p.device, dtype=torch.float32))
             elif self._combined(j):
-                if j in combinations:
-                    sq = of[j][-1]
+                if j in combined:
+                    sq = combined[j]
                 else:
                     flats = (self._flat(j, s) for s in self._chunks(j))
                     sq = torch.cat([inner_dense(g, g) for g in flats])
