@@ -11,9 +11,11 @@ gradient. Two forms:
 Three operations are all every clipping rule and every algorithm needs: ``sq_norms(c)`` (per-example squared
 norms; for an ``Outer`` capture by the ghost-norm identity ||L^T R||^2 = sum_ts (L L^T)_ts (R R^T)_ts where
 that is cheaper than materialising), ``weighted_sum(w)`` (sum_i w_i G_i in one contraction: the book-keeping
-trick) and ``materialize()``. Linear combinations of captures (two-point statistics) are not expanded into
-cross terms, whose float sum can cancel below the true norm: ``PerExampleGradients`` materialises them, or
-merges one-hot captures with ``coalesce``. Low-precision captures are normed and summed in float32.
+trick) and ``materialize()``. Linear combinations of captures (two-point statistics) are never expanded into
+unguarded cross terms, whose float sum can cancel below the true norm: a ``Combination`` of dense-factored
+captures takes the Gram route under the cancellation guard (its cancelled examples recomputed from their
+materialised combination), ``coalesce`` merges one-hot captures, and ``PerExampleGradients`` materialises the
+rest. Low-precision captures are normed and summed in float32.
 """
 
 from __future__ import annotations
