@@ -362,12 +362,21 @@ def _outer_sq_norms(c: Outer) -> tuple[torch.Tensor, torch.Tensor | None]:
     out, own = [], []
     for s in chunks(c.batch_size, c.factor_temporaries() + 3 * c.steps * c.steps, c.device):
         left, right = c.factors(s)
-        gram = torch.bmm(_f32(right), _f32(right).transpose(1, 2))
-        left_gram = _left_gram(left, left, gram.dtype)
-        out.append(_pairwise_dot(left_gram, gram))
-        own.append((left_gram.diagonal(dim1=1, dim2=2) * gram.diagonal(dim1=1, dim2=2)).sum(1))
+        sq, d = _gram_dot(left, right, left, right)
+        out.append(sq)
+        own.append(d)
     sq = torch.cat(out)
     return sq, sq * CANCELLING < torch.cat(own)
+
+
+def _gram_dot(la: torch.Tensor, ra: torch.Tensor, lb: torch.Tensor,
+              rb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """<G_a, G_b> = sum_ts (L_a L_b^T)_ts (R_a R_b^T)_ts per example (float32), and sum_t of the two Gram
+    matrices' diagonals multiplied: for a = b, D, the steps' own squared norms."""
+    gram = torch.bmm(_f32(ra), _f32(rb).transpose(1, 2))
+    left_gram = _left_gram(la, lb, gram.dtype)
+    own = (left_gram.diagonal(dim1=1, dim2=2) * gram.diagonal(dim1=1, dim2=2)).sum(1)
+    return _pairwise_dot(left_gram, gram), own
 
 
 class Combination(Capture):
@@ -394,8 +403,10 @@ class Combination(Capture):
             t.check_unchanged()
 
     def by_ghost(self) -> bool:
-        """Whether the pairwise Gram route costs less than materialising the combination."""
-        return self.steps * self.steps * (self.rows + self.cols) <= (self.steps + 1) * self.rows * self.cols
+        """Whether the pairwise Gram route (``Outer.ghost_cost`` of every pair of terms) costs less than
+        materialising the combination, (sum of the terms' steps + 1) * rows * cols."""
+        ghost = sum(a.ghost_cost(b) for _, a in self.terms for _, b in self.terms)
+        return ghost <= (self.steps + 1) * self.rows * self.cols
 
     def materialize(self, s: slice = slice(None)) -> torch.Tensor:
         (c, t), *more = self.terms
@@ -417,13 +428,11 @@ def _combination_sq_norms(c: Combination) -> tuple[torch.Tensor, torch.Tensor]:
         sq = d = None
         for a, (ka, la, ra) in enumerate(factors):
             for b, (kb, lb, rb) in enumerate(factors[a:], a):
-                gram = torch.bmm(_f32(ra), _f32(rb).transpose(1, 2))
-                left_gram = _left_gram(la, lb, gram.dtype)
-                part = _pairwise_dot(left_gram, gram) * (ka * kb * (1.0 if a == b else 2.0))
+                dot, diag = _gram_dot(la, ra, lb, rb)
+                part = dot * (ka * kb * (1.0 if a == b else 2.0))
                 sq = part if sq is None else sq.add_(part)
                 if a == b:
-                    diag = (left_gram.diagonal(dim1=1, dim2=2) * gram.diagonal(dim1=1, dim2=2)).sum(1) * ka * ka
-                    d = diag if d is None else d.add_(diag)
+                    d = diag * ka * ka if d is None else d.add_(diag, alpha=ka * ka)
         out.append(sq)
         own.append(d)
     sq = torch.cat(out)
@@ -472,8 +481,8 @@ def sq_norms_of(captures: list[Capture]) -> list[torch.Tensor]:
     if pending:
         masks = torch.stack([m for _, _, m in pending]).tolist()  # the one synchronisation
         for (c, sq, _), mask in zip(pending, masks):
-            rows = [i for i, cancelled in enumerate(mask) if cancelled]
-            if rows:
+            if any(mask):  # a scan at C speed: the list of rows is formed for the few captures that cancelled
+                rows = [i for i, cancelled in enumerate(mask) if cancelled]
                 _recompute(c, sq, torch.tensor(rows, device=sq.device))
     return out
 
