@@ -157,12 +157,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sampling", default=d.sampling, choices=["auto", *SAMPLINGS],
                    help="poisson (amplified accounting), cyclic (Poisson within --bands groups taken in turn: "
                    "amplified, for gaussian or banded noise) or shuffle/fixed (accounted without amplification); "
-                   "auto: cyclic for dp-memf/dp-srg-memf's own noise at an --epsilon (amplified BandMF), poisson "
-                   "for gaussian noise, fixed for other correlated noise")
+                   "auto: cyclic for dp-memf/dp-srg-memf/accel-dp-srgd's own noise at an --epsilon (amplified "
+                   "BandMF), poisson for gaussian noise, fixed for other correlated noise")
     p.add_argument("--noise", default=d.noise, choices=["auto", *NOISES],
                    help="noise mechanism: gaussian (iid) or correlated (tree, sqrt, banded, mf; need fixed-order "
-                   "batches, or cyclic sampling for banded/sqrt); auto: the algorithm's own (dp-ftrl: tree, "
-                   "dp-memf/dp-srg-memf: mf, banded on cyclic sampling, accel-dp-srgd/dp-srgd: tree, others: "
+                   "batches, or cyclic sampling for banded/sqrt); auto: the algorithm's own (dp-ftrl, "
+                   "accel-dp-srgd, dp-srgd: tree; dp-memf, dp-srg-memf: mf; banded under cyclic sampling; others: "
                    "gaussian)")
     p.add_argument("--accountant", default=d.accountant, choices=["pld", "rdp"])
     p.add_argument("--relation", default=d.relation, choices=[r.value for r in Relation])

@@ -329,12 +329,13 @@ SLOW_FACTORIZATION_STEPS = 1024  # beyond it, optimising a dense mf factorizatio
 
 def run_noise_kind(config: TrainConfig, steps: int) -> str:
     """The noise mechanism of a run of ``steps`` steps: ``config.noise_kind``, except that a recipe's default
-    dense ``mf`` (``--noise auto``) gives way to ``banded`` under cyclic sampling (which amplifies banded noise
-    only) and beyond ``MAX_DENSE_STEPS`` steps, where the dense optimiser is out of reach (an explicit
-    ``--noise mf`` is refused there instead)."""
+    correlated noise (``--noise auto``) gives way to ``banded`` under cyclic sampling (which amplifies banded noise
+    only), and its dense ``mf`` beyond ``MAX_DENSE_STEPS`` steps, where the dense optimiser is out of reach (an
+    explicit ``--noise mf`` is refused there instead)."""
     kind = config.noise_kind
-    banded = config.sampling_kind == "cyclic" or steps > MAX_DENSE_STEPS
-    return "banded" if config.noise == "auto" and kind == "mf" and banded else kind
+    if config.noise != "auto" or kind == "gaussian":
+        return kind
+    return "banded" if config.sampling_kind == "cyclic" or (kind == "mf" and steps > MAX_DENSE_STEPS) else kind
 
 
 def build_run_noise(config: TrainConfig, sampler: Sampler, total: int, clip: float, stream: SecretStream,

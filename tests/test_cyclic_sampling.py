@@ -170,7 +170,7 @@ def test_a_cyclic_run_reports_the_epsilon_of_its_ledger_and_keeps_its_period():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--algorithm", "dp-ftrl", "--sampling", "cyclic", "--bands", "4"], "this noise has no bands"),
+    (["--algorithm", "dp-ftrl", "--noise", "tree", "--sampling", "cyclic", "--bands", "4"], "this noise has no bands"),
     (["--algorithm", "dp-memf", "--sampling", "cyclic", "--noise-multiplier", "1"], "with a --noise-multiplier give"),
     (["--algorithm", "dp-memf", "--sampling", "cyclic", "--bands", "8", "--noise", "banded", "--batch-size", "256"],
      "batch size times the period must lie in"),

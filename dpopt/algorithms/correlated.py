@@ -1,15 +1,16 @@
 """Recipes with correlated noise (Choquette-Choo et al. 2024, spec ``dp_srgd.md``). Each picks a default
-noise mechanism (``--noise`` overrides it); all run on fixed-order batches, except that dp-memf and
-dp-srg-memf default to amplified BandMF: banded noise on cyclic Poisson sampling (Choquette-Choo et al. 2023),
-which measured better on every pair tried (docs/defaults.md); ``--sampling fixed`` gives their multi-epoch MF.
+noise mechanism (``--noise`` overrides it). At an ``--epsilon`` all but dp-srgd default to amplified BandMF: banded
+noise on cyclic Poisson sampling (Choquette-Choo et al. 2023), which measured better on most pairs tried
+(docs/defaults.md); ``--sampling fixed`` runs their own noise (the tree, multi-epoch MF) on fixed-order batches.
 
-* ``dp-ftrl`` — SGD (with optional momentum) on tree-aggregated noise (Kairouz et al. 2021; Sec. 2.4).
+* ``dp-ftrl`` — SGD (with optional momentum) on correlated noise: tree aggregation (Kairouz et al. 2021; Sec. 2.4),
+  BandMF by default.
 * ``dp-memf`` — Alg. 2: momentum SGD on matrix-factorization noise optimised for the run's epochs.
 * ``dp-srg-memf`` — Alg. 3: the SRG increment grad(x_t) - c grad(x_t-1) is privatized, the running sum
   feeds momentum SGD (``transforms.srg``).
-* ``accel-dp-srgd`` — Alg. 1: weighted gradient differences, clipped, with tree noise on their prefix sums
-  and Nesterov's y/z coupling (``transforms.nesterov``); ``lr`` is 1/beta. ``dp-srgd`` is its
-  unaccelerated variant (Sec. 4.3).
+* ``accel-dp-srgd`` — Alg. 1: weighted gradient differences, clipped, with continual-counting noise on their
+  prefix sums (the tree in the paper's theory, L174-L186; BandMF by default) and Nesterov's y/z coupling
+  (``transforms.nesterov``); ``lr`` is 1/beta. ``dp-srgd`` is its unaccelerated variant (Sec. 4.3), on the tree.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def _sgd(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) 
 # differences it clips grow (sonar, golub) (docs/defaults.md).
 FTRL_LR = StepRule(0.465, 0.5)
 SRGD_LR = StepRule(3.1, 0.5, cap=0.2)
-register("dp-ftrl", noise="tree", defaults={"lr": FTRL_LR, "momentum": 0.9, "tree_decoder": "least-squares"})(_sgd)
+register("dp-ftrl", noise="tree", sampling="cyclic",
+         defaults={"lr": FTRL_LR, "momentum": 0.9, "tree_decoder": "least-squares"})(_sgd)
 register("dp-memf", noise="mf", sampling="cyclic", defaults={"lr": 0.3})(_sgd)
 
 
@@ -67,5 +69,5 @@ def _srgd(accelerate: bool):
     return recipe
 
 
-register("accel-dp-srgd", noise="tree", defaults={"lr": ACCELERATED_LR})(_srgd(True))
+register("accel-dp-srgd", noise="tree", sampling="cyclic", defaults={"lr": ACCELERATED_LR})(_srgd(True))
 register("dp-srgd", noise="tree", defaults={"lr": SRGD_LR})(_srgd(False))
