@@ -23,12 +23,14 @@ TREE_DECODERS = ("sum", "least-squares")
 @dataclass(frozen=True)
 class StepRule:
     """A default learning rate set by the run's length T: ``scale / T**power``, at most ``cap`` where given (a
-    number, or another rule of T). Accelerated-DP-SRGD's step must shrink like 1/T (Claim 4.2: power 1), and like
-    T^(-3/2) on long runs (Thm 4.10's β); Adam's noise-driven walk grows like lr * sqrt(T) (power 1/2)."""
+    number, or another rule of T) and at least ``floor``. Accelerated-DP-SRGD's step must shrink like 1/T (Claim
+    4.2: power 1), and like T^(-3/2) on long runs (Thm 4.10's β); Adam's noise-driven walk grows like lr * sqrt(T)
+    (power 1/2)."""
 
     scale: float
     power: float
     cap: "float | StepRule | None" = None
+    floor: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.cap, dict):  # a rule read back from a config (to_dict's asdict)
@@ -36,15 +38,15 @@ class StepRule:
 
     def __call__(self, steps: int) -> float:
         lr = self.scale / steps ** self.power
-        if self.cap is None:
-            return lr
-        return min(self.cap(steps) if isinstance(self.cap, StepRule) else self.cap, lr)
+        if self.cap is not None:
+            lr = min(self.cap(steps) if isinstance(self.cap, StepRule) else self.cap, lr)
+        return lr if self.floor is None else max(self.floor, lr)
 
     def __str__(self) -> str:
         rule = f"{self.scale:g}/" + {1.0: "steps", 0.5: "sqrt(steps)"}.get(self.power, f"steps^{self.power:g}")
-        if self.cap is None:
-            return rule
-        return f"min({self.cap if isinstance(self.cap, StepRule) else format(self.cap, 'g')}, {rule})"
+        if self.cap is not None:
+            rule = f"min({self.cap if isinstance(self.cap, StepRule) else format(self.cap, 'g')}, {rule})"
+        return rule if self.floor is None else f"max({self.floor:g}, {rule})"
 
 
 @dataclass(frozen=True)
