@@ -14,7 +14,7 @@ import textwrap
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
-from dpopt.algorithms import ALGORITHMS, DEFAULTS, NON_PRIVATE, Hyperparameters
+from dpopt.algorithms import ALGORITHMS, DEFAULT_NOISE, DEFAULT_SAMPLING, DEFAULTS, NON_PRIVATE, Hyperparameters
 from dpopt.checkpoint import CHECKPOINT, CheckpointError, check_writable, claim_run_folder, load_checkpoint
 from dpopt.clipping import CLIP_MODES
 from dpopt.data.datasets import (DATASET_EPOCHS, DATASET_MODEL, DATASETS, DEFAULT_EPOCHS, DEFAULT_MODEL,
@@ -94,6 +94,15 @@ def _defaults_text(name: str, default: Any) -> str:
     return "; ".join([f"default: {shown(default)}", *(f"{shown(v)} for {', '.join(a)}" for v, a in own.items())])
 
 
+def _own_noise_text() -> str:
+    """'tree: dp-ftrl, dp-srgd; mf: dp-memf': the recipes whose own noise is correlated, by mechanism."""
+    own: dict[str, list[str]] = {}
+    for algorithm, noise in sorted(DEFAULT_NOISE.items()):
+        if noise != "gaussian":
+            own.setdefault(noise, []).append(algorithm)
+    return "; ".join(f"{noise}: {', '.join(names)}" for noise, names in own.items())
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows defaults, except None (a hyper-parameter's default depends on the algorithm: its help says it)."""
 
@@ -157,13 +166,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sampling", default=d.sampling, choices=["auto", *SAMPLINGS],
                    help="poisson (amplified accounting), cyclic (Poisson within --bands groups taken in turn: "
                    "amplified, for gaussian or banded noise) or shuffle/fixed (accounted without amplification); "
-                   "auto: cyclic for dp-memf/dp-srg-memf/accel-dp-srgd's own noise at an --epsilon (amplified "
-                   "BandMF), poisson for gaussian noise, fixed for other correlated noise")
+                   f"auto: cyclic for {', '.join(sorted(DEFAULT_SAMPLING))} with their own noise at an --epsilon "
+                   "(amplified BandMF), poisson for gaussian noise, fixed for other correlated noise")
     p.add_argument("--noise", default=d.noise, choices=["auto", *NOISES],
                    help="noise mechanism: gaussian (iid) or correlated (tree, sqrt, banded, mf; need fixed-order "
-                   "batches, or cyclic sampling for banded/sqrt); auto: the algorithm's own (dp-ftrl, "
-                   "accel-dp-srgd, dp-srgd: tree; dp-memf, dp-srg-memf: mf; banded under cyclic sampling; others: "
-                   "gaussian)")
+                   f"batches, or cyclic sampling for banded/sqrt); auto: the algorithm's own ({_own_noise_text()}; "
+                   "banded under cyclic sampling; others: gaussian)")
     p.add_argument("--accountant", default=d.accountant, choices=["pld", "rdp"])
     p.add_argument("--relation", default=d.relation, choices=[r.value for r in Relation])
     p.add_argument("--per-example", default=d.per_example, choices=MODES,

@@ -32,9 +32,10 @@ def _sgd(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) 
 
 # The tree-noise SGD recipes' lr shrinks like 1/sqrt(T) from its digits value (240 steps), as MNIST's 9,380 steps
 # want on the tree: DP-FTRL 0.465 / sqrt(T) (0.03 there; one full-batch step on golub needs a step the size of
-# DP-SGD's) but at least 0.03, dp-memf's step 0.3 under its momentum 0.9, which its default amplified BandMF wants on
-# longer runs; DP-SRGD 3.1 / sqrt(T) (0.2 there) but at most 0.2: a larger step on a short run lets the per-example
-# gradient differences it clips grow (sonar, golub) (docs/defaults.md).
+# DP-SGD's), but at least 0.03 (dp-memf's step 0.3 under DP-FTRL's momentum 0.9): on its default amplified BandMF the
+# noise grows with T as DP-SGD's does, and the shrinking step starved the long runs; DP-SRGD 3.1 / sqrt(T) (0.2
+# there) but at most 0.2: a larger step on a short run lets the per-example gradient differences it clips grow
+# (sonar, golub) (docs/defaults.md).
 FTRL_LR = StepRule(0.465, 0.5, floor=0.03)
 SRGD_LR = StepRule(3.1, 0.5, cap=0.2)
 register("dp-ftrl", noise="tree", sampling="cyclic",
