@@ -507,3 +507,25 @@ def coalesce(terms: list[tuple[float, Outer]]) -> Outer:
     padded = right.new_zeros(b, width, n)
     padded[example, slot] = merged
     return Outer(left, padded, rows, terms[0][1].shape)
+
+
+def difference(terms: list[tuple[float, Outer]]) -> Outer | None:
+    """c_a A + c_b B for two dense-factored ``Outer`` captures of one parameter with factors of equal shapes and
+    coefficients of opposite signs (a two-point difference: SRG's g_t - c g_{t-1}, Accelerated-DP-SRGD's
+    eta g(x_t) - (eta - 1) g(x_{t-1}), DiSK's c g(x') + (1 - c) g(x) at c > 1) as one capture whose steps are
+    small where the two points are close:
+        c_a A + c_b B = (c_a + c_b) A + c_b (B - A),   B - A = sum_t (l_bt - l_at) (x) r_bt + l_at (x) (r_bt - r_at).
+    Exact in real arithmetic; in float32 its ghost norm's rounding error is u times these 3T steps' own norms
+    rather than the two points' (eta times larger), so the cancellation guard of ``_outer_sq_norms`` rarely
+    fires, and the sum by book-keeping is as accurate. None where it does not apply."""
+    if len(terms) != 2:
+        return None
+    (ca, a), (cb, b) = terms
+    if not (ca * cb < 0 and type(a) is Outer and type(b) is Outer and not a.indexed and not b.indexed
+            and a.left.shape == b.left.shape and a.right.shape == b.right.shape):
+        return None
+    a.check_unchanged()
+    b.check_unchanged()
+    la, ra, lb, rb = _f32(a.left), _f32(a.right), _f32(b.left), _f32(b.right)
+    left = torch.cat([(ca + cb) * la, cb * (lb - la), cb * la], 1)
+    return Outer(left, torch.cat([ra, rb, rb - ra], 1), a.rows, a.shape)

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from dpopt.clipping import PerExampleStatistic
 from dpopt.device import FP16_LOSS_SCALE, autocast, autocast_dtype, rng_state, set_rng_state
 from dpopt.grad.captures import (Capture, Combination, Dense, Outer, by_materializing, check_version, chunk_elements,
-                                 chunks, coalesce, inner_dense)
+                                 chunks, coalesce, difference, inner_dense)
 from dpopt.grad.captures import sq_norms_of
 from dpopt.grad.fallback import loss_gradients, module_gradients
 from dpopt.grad.rules import TOKENWISE, Rule, rule_for
@@ -169,7 +169,9 @@ class PerExampleGradients(PerExampleStatistic):
     # its materialised per-example vectors, sum_k c_k G_k formed in float32 a chunk of examples at a time:
     # expanded into cross terms, its squared norm is a float sum that cancels below the true value when the
     # coefficients nearly cancel (DiSK's c = 43 at gamma = 0.01 and 1 - c; SRG's eta and -(eta - 1)), and
-    # the clip bound is lost. One-hot captures are merged instead (``coalesce``): exact, and cheap. The sum of
+    # the clip bound is lost. One-hot captures are merged instead (``coalesce``): exact, and cheap; so are two
+    # dense-factored ones whose coefficients differ in sign, rewritten as one capture in difference form
+    # (``difference``) where its Gram route is cheaper than materialising. The sum of
     # a combined parameter is formed from the same materialised vectors too, unless its terms are benign for
     # every example: (sum_k |c_k| ||G_k||)^2 <= BENIGN * ||sum_k c_k G_k||^2 (no cancellation beyond a factor 4
     # in norm, as for DiSK's default c = 0.86, 1 - c, or SRG's g_t - 0.08 g_t-1). Then each term is summed by
@@ -181,6 +183,8 @@ class PerExampleGradients(PerExampleStatistic):
         for j, ts in enumerate(self.terms):
             if ts and all(isinstance(t, Outer) and t.indexed for _, t in ts) and (len(ts) > 1 or ts[0][1].steps > 1):
                 self.terms[j] = [(1.0, coalesce(ts))]
+            elif (merged := difference(ts)) is not None and not by_materializing(merged):
+                self.terms[j] = [(1.0, merged)]
         self._settled = True
 
     def _combined(self, j: int) -> bool:
