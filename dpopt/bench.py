@@ -24,7 +24,8 @@ Systems: ``pytorch`` (non-private), ``dpopt`` (DP, ghost norms and book-keeping 
 per-example gradients of rank ``--rank``, projected Adam), ``dp-galore`` (naive DP-GaLore) and ``galore``
 (non-private GaLore); the last three use their own projected Adam whatever ``--optimizer`` says; ``dpzero``
 (DPZero: two forward passes, no backward, no optimizer state); ``disk-sgd`` (DiSK's two-point statistic,
-kappa 0.7, gamma 0.5) and ``dp-srg-memf`` (the SRG difference g(x_t) - g(x_t-1); iid noise here).
+kappa 0.7, gamma 0.5), ``dp-srg-memf`` (the SRG difference g(x_t) - g(x_t-1); iid noise here) and
+``accel-dp-srgd`` (the weighted difference eta g(x_t) - (eta - 1) g(x_t-1), eta = t + 1; iid noise here).
 
 ``--device`` (default cpu) puts every system's model, data and step on that device (on CUDA a step is timed to
 its ``torch.cuda.synchronize`` and ``peak_mb`` is ``max_memory_allocated``); ``--precision bf16|fp16`` autocasts
@@ -65,7 +66,7 @@ from torch.utils._pytree import tree_flatten
 from dpopt.device import add_device_arguments, autocast, autocast_dtype, resolve_device, to_device
 
 SYSTEMS = ("pytorch", "dpopt", "dpopt-materialize", "opacus-hooks", "opacus-ghost", "dp-grape", "dp-galore",
-           "galore", "dpzero", "disk-sgd", "dp-srg-memf")
+           "galore", "dpzero", "disk-sgd", "dp-srg-memf", "accel-dp-srgd")
 DEFAULT_SYSTEMS = ("pytorch", "dpopt", "opacus-hooks", "opacus-ghost")
 WORKLOADS = ("cnn", "mlp", "vit", "bert", "minilm")
 # glibc: no trimming of the heap's top, and allocations up to 32 MiB (glibc's cap) from the heap, not mmap.
@@ -208,7 +209,8 @@ def _step_fn(system: str, case: Case, model: nn.Module, dataset: Any, loss: Call
             galore.zero_grad()
 
         return galore_step
-    if system in ("dpopt", "dpopt-materialize", "dp-grape", "dp-galore", "dpzero", "disk-sgd", "dp-srg-memf"):
+    if system in ("dpopt", "dpopt-materialize", "dp-grape", "dp-galore", "dpzero", "disk-sgd", "dp-srg-memf",
+                  "accel-dp-srgd"):
         from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
         from dpopt.clipping import Clipping
         from dpopt.data.samplers import FixedOrderSampler
