@@ -338,9 +338,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _run_training(parallel: DataParallel | None, config: TrainConfig | None, out: str | None,
-                  resume_from: str | None, progress: bool, epochs: int | None = None) -> None:
-    """One process's part of ``dpopt train`` (all of it without ``parallel``); rank 0 prints."""
-    metrics = (resume(resume_from, progress, parallel=parallel, epochs=epochs) if resume_from
+                  resume_from: str | None, progress: bool, epochs: int | None = None,
+                  state: dict[str, Any] | None = None) -> None:
+    """One process's part of ``dpopt train`` (all of it without ``parallel``); rank 0 prints. ``state``: the
+    checkpoint of ``resume_from`` where this process has read it already."""
+    metrics = (resume(resume_from, progress, parallel=parallel, epochs=epochs, state=state) if resume_from
                else train(config, out, progress, parallel=parallel))
     if parallel is None or parallel.lead:
         print(f"test accuracy {metrics['test_accuracy']:.4f} at epsilon {metrics['epsilon']:.4f} "
@@ -379,7 +381,7 @@ def _resume_differences(args: argparse.Namespace, given: set[str], saved: TrainC
 @command("train", _add_train)
 def _train(args: argparse.Namespace) -> int:
     progress = not args.no_progress
-    config = epochs = None
+    config = epochs = state = None
     if args.resume:
         state = load_checkpoint(args.resume)
         saved = TrainConfig.from_dict(state["config"])
@@ -408,11 +410,12 @@ def _train(args: argparse.Namespace) -> int:
         raise ValueError(f"--nproc {args.nproc} under a launcher that already started {launched} processes "
                          "(WORLD_SIZE is set); drop --nproc")
     if args.nproc > 1:
+        del state  # each launched process reads the checkpoint itself; not one copy held here throughout
         launch(args.nproc, _run_training, config, args.out, args.resume, progress, epochs)
     else:
         parallel = from_environment()
         try:
-            _run_training(parallel, config, args.out, args.resume, progress, epochs)
+            _run_training(parallel, config, args.out, args.resume, progress, epochs, state)
         finally:
             if parallel is not None:
                 parallel.close()

@@ -623,10 +623,13 @@ def extended(config: TrainConfig, epochs: int | None, steps_per_epoch: int) -> T
 
 
 def resume(out: str | Path, progress: bool = True, log: Callable[[str], None] = print,
-           parallel: DataParallel | None = None, epochs: int | None = None) -> dict[str, Any]:
+           parallel: DataParallel | None = None, epochs: int | None = None,
+           state: dict[str, Any] | None = None) -> dict[str, Any]:
     """Continue the run whose checkpoint is in ``out`` to its configured end, or to ``epochs`` (see ``extended``;
-    with ``parallel``, rank 0 reads the checkpoint and sends it to the other ranks)."""
-    state = load_checkpoint(out) if parallel is None else parallel.from_lead(lambda: load_checkpoint(out))
+    with ``parallel``, rank 0 reads the checkpoint and sends it to the other ranks). ``state``: that checkpoint,
+    where the caller has read it already (the CLI, to check the flags), so it is not read and held twice."""
+    read = (lambda: load_checkpoint(out)) if state is None else (lambda: state)
+    state = read() if parallel is None else parallel.from_lead(read)
     saved = TrainConfig.from_dict(state["config"])
     config = extended(saved, epochs, saved_steps_per_epoch(state))
     if config is not saved and (parallel is None or parallel.lead):

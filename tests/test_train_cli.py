@@ -335,10 +335,11 @@ def test_privacy_statement_says_whether_the_noise_is_replayable():
 # ------------------------------------------------------------------- issue 23: the first hour of a new user
 
 
-def test_resume_refuses_changed_flags_and_extends_with_a_larger_epochs(tmp_path, capsys):
+def test_resume_refuses_changed_flags_and_extends_with_a_larger_epochs(tmp_path, capsys, monkeypatch):
     """--resume DIR with flags: the same values pass, a larger --epochs extends the run (the noise keeps the
     multiplier calibrated for the original length, so epsilon passes the target), anything else is refused
-    with the list of differences; correlated noise, built for a fixed length, cannot be extended."""
+    with the list of differences; correlated noise, built for a fixed length, cannot be extended. The checkpoint
+    the flags are checked against is the one resumed: read once, not held twice."""
     run = str(tmp_path / "run")
     assert main(["train", "--epochs", "1", "--out", run, "--no-progress"]) == 0
     first = json.loads((tmp_path / "run" / "metrics.json").read_text())
@@ -348,8 +349,11 @@ def test_resume_refuses_changed_flags_and_extends_with_a_larger_epochs(tmp_path,
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1
     assert "--algorithm dp-adam (the run has dp-sgd); --lr 0.3 (the run has 0.5)" in err
+    reads = []
+    for module in (sys.modules["dpopt.cli"], train_module):
+        monkeypatch.setattr(module, "load_checkpoint", lambda d, read=module.load_checkpoint: reads.append(d) or read(d))
     assert main(["train", "--resume", run, "--epochs", "2", "--lr", "0.5", "--epsilon", "2", "--no-progress"]) == 0
-    assert "extending the run from 1 to 2 epochs" in capsys.readouterr().out
+    assert "extending the run from 1 to 2 epochs" in capsys.readouterr().out and reads == [run]
     m = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert m["steps"] == 22 and m["noise_multiplier"] == first["noise_multiplier"] and m["epsilon"] > 2.0
     with pytest.raises(SystemExit) as e:
