@@ -140,3 +140,6 @@ def test_a_difference_form_equals_its_combination_and_its_ghost_norm_needs_no_re
     assert not bool(cancelled.any())
     assert torch.allclose(sq.double(), exact.flatten(1).square().sum(1), rtol=1e-5, atol=0)
     assert captures.difference([(ca, near), (-cb, there)]) is None  # same signs: nothing cancels
+    long = Outer(torch.randn(4, 65, 40), torch.randn(4, 65, 40), 40, (40, 40))  # a ViT-long sequence of small rows
+    assert captures.by_materializing(Outer(torch.randn(4, 195, 40), torch.randn(4, 195, 40), 40, (40, 40)))
+    assert captures.difference([(ca, long), (cb, long)]) is None  # its 3T steps would be materialised: not formed

@@ -517,12 +517,16 @@ def difference(terms: list[tuple[float, Outer]]) -> Outer | None:
         c_a A + c_b B = (c_a + c_b) A + c_b (B - A),   B - A = sum_t (l_bt - l_at) (x) r_bt + l_at (x) (r_bt - r_at).
     Exact in real arithmetic; in float32 its ghost norm's rounding error is u times these 3T steps' own norms
     rather than the two points' (eta times larger), so the cancellation guard of ``_outer_sq_norms`` rarely
-    fires, and the sum by book-keeping is as accurate. None where it does not apply."""
+    fires, and the sum by book-keeping is as accurate. None where it does not apply, or where the result would be
+    normed from materialised gradients (``by_materializing``: decided from the shapes, before anything is formed)."""
     if len(terms) != 2:
         return None
     (ca, a), (cb, b) = terms
     if not (ca * cb < 0 and type(a) is Outer and type(b) is Outer and not a.indexed and not b.indexed
             and a.left.shape == b.left.shape and a.right.shape == b.right.shape):
+        return None
+    steps = 3 * a.steps  # the result's ghost_cost and materialize_cost with itself
+    if steps * steps * (a.rows + a.cols) > (2 * steps + 1) * a.rows * a.cols:
         return None
     a.check_unchanged()
     b.check_unchanged()

@@ -183,7 +183,7 @@ class PerExampleGradients(PerExampleStatistic):
         for j, ts in enumerate(self.terms):
             if ts and all(isinstance(t, Outer) and t.indexed for _, t in ts) and (len(ts) > 1 or ts[0][1].steps > 1):
                 self.terms[j] = [(1.0, coalesce(ts))]
-            elif (merged := difference(ts)) is not None and not by_materializing(merged):
+            elif (merged := difference(ts)) is not None:
                 self.terms[j] = [(1.0, merged)]
         self._settled = True
 
