@@ -199,9 +199,10 @@ def test_disk_runs_on_correlated_noise_at_the_base_methods_privacy_cost():
 # --- trainer and CLI ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("algorithm,sampling,noise,mechanism", [
     ("dp-ftrl", "fixed", "tree", "correlated-gaussian"), ("accel-dp-srgd", "fixed", "tree", "correlated-gaussian"),
-    ("dp-srgd", "auto", "tree", "correlated-gaussian"), ("dp-ftrl", "auto", "banded", "gaussian"),
+    ("dp-srgd", "fixed", "tree", "correlated-gaussian"), ("dp-ftrl", "auto", "banded", "gaussian"),
     ("dp-memf", "auto", "banded", "gaussian"), ("dp-srg-memf", "auto", "banded", "gaussian"),  # amplified BandMF
-    ("accel-dp-srgd", "auto", "banded", "gaussian"), ("dp-memf", "fixed", "mf", "correlated-gaussian")])
+    ("accel-dp-srgd", "auto", "banded", "gaussian"), ("dp-srgd", "auto", "banded", "gaussian"),
+    ("dp-memf", "fixed", "mf", "correlated-gaussian")])
 def test_cli_trains_each_correlated_algorithm(algorithm, sampling, noise, mechanism, tmp_path):
     assert main(["train", "--algorithm", algorithm, "--epochs", "1", "--batch-size", "256", "--lr", "0.5",
                  "--momentum", "0.5" if algorithm != "accel-dp-srgd" else "0", "--workload", "true",

@@ -1,5 +1,5 @@
 """Recipes with correlated noise (Choquette-Choo et al. 2024, spec ``dp_srgd.md``). Each picks a default
-noise mechanism (``--noise`` overrides it). At an ``--epsilon`` all but dp-srgd default to amplified BandMF: banded
+noise mechanism (``--noise`` overrides it). At an ``--epsilon`` they default to amplified BandMF: banded
 noise on cyclic Poisson sampling (Choquette-Choo et al. 2023), which measured better on most pairs tried
 (docs/defaults.md); ``--sampling fixed`` runs their own noise (the tree, multi-epoch MF) on fixed-order batches.
 
@@ -10,7 +10,7 @@ noise on cyclic Poisson sampling (Choquette-Choo et al. 2023), which measured be
   feeds momentum SGD (``transforms.srg``).
 * ``accel-dp-srgd`` — Alg. 1: weighted gradient differences, clipped, with continual-counting noise on their
   prefix sums (the tree in the paper's theory, L174-L186; BandMF by default) and Nesterov's y/z coupling
-  (``transforms.nesterov``); ``lr`` is 1/beta. ``dp-srgd`` is its unaccelerated variant (Sec. 4.3), on the tree.
+  (``transforms.nesterov``); ``lr`` is 1/beta. ``dp-srgd`` is its unaccelerated variant (Sec. 4.3).
 """
 
 from __future__ import annotations
@@ -72,4 +72,4 @@ def _srgd(accelerate: bool):
 
 
 register("accel-dp-srgd", noise="tree", sampling="cyclic", defaults={"lr": ACCELERATED_LR})(_srgd(True))
-register("dp-srgd", noise="tree", defaults={"lr": SRGD_LR})(_srgd(False))
+register("dp-srgd", noise="tree", sampling="cyclic", defaults={"lr": SRGD_LR})(_srgd(False))
