@@ -50,6 +50,21 @@ def test_kappa_one_is_exactly_the_base(base, lr):
     assert runs[0][1] == runs[1][1]
 
 
+@pytest.mark.parametrize("adam", ["dp-adam", "disk-adam"])
+def test_adamw_at_weight_decay_zero_is_exactly_adam(adam):
+    """Their defaults (weight decay 0) make dp-adamw dp-adam and disk-adamw disk-adam, step for step: one run
+    of each pair stands for the other (docs/defaults.md, the ViT's disk-adam cell)."""
+    runs = []
+    for algorithm in (adam, adam + "w"):
+        model, data = problem()
+        opt = optimizer(model, algorithm, lr=0.01, weight_decay=0.0)
+        for _ in range(6):
+            opt.step(data)
+        runs.append(params(model))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert not all(torch.equal(a, b) for a, b in zip(runs[0], params(problem()[0])))  # it moved
+
+
 def test_same_privacy_cost_as_the_base():
     ledgers = []
     for algorithm in ("dp-adam", "disk-adam"):
