@@ -35,9 +35,9 @@ def _sgd(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) 
 # DP-SGD's), but at least 0.03 (dp-memf's step 0.3 under DP-FTRL's momentum 0.9): on its default amplified BandMF the
 # noise grows with T as DP-SGD's does, and the shrinking step starved the long runs; DP-SRGD 3.1 / sqrt(T) (0.2
 # there) but at most 0.2: a larger step on a short run lets the per-example gradient differences it clips grow
-# (sonar, golub) (docs/defaults.md).
+# (sonar, golub); and at least 0.1, for the same reason as DP-FTRL's floor (MNIST's 9,380 steps) (docs/defaults.md).
 FTRL_LR = StepRule(0.465, 0.5, floor=0.03)
-SRGD_LR = StepRule(3.1, 0.5, cap=0.2)
+SRGD_LR = StepRule(3.1, 0.5, cap=0.2, floor=0.1)
 register("dp-ftrl", noise="tree", sampling="cyclic",
          defaults={"lr": FTRL_LR, "momentum": 0.9, "tree_decoder": "least-squares"})(_sgd)
 register("dp-memf", noise="mf", sampling="cyclic", defaults={"lr": 0.3})(_sgd)
