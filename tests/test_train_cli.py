@@ -360,7 +360,7 @@ def test_resume_refuses_changed_flags_and_extends_with_a_larger_epochs(tmp_path,
         main(["train", "--resume", run, "--epochs", "1"])
     assert e.value.code == 2 and "--epochs 1 is below the run's 2" in capsys.readouterr().err
     with pytest.raises(ValueError, match="tree noise is built for the run's 1 epochs and cannot be extended"):
-        extended(TrainConfig(algorithm="dp-srgd", epochs=1, epsilon=1.0), 2, 10)
+        extended(TrainConfig(algorithm="dp-srgd", epochs=1, epsilon=1.0, sampling="fixed"), 2, 10)
     with pytest.raises(ValueError, match="banded noise is built for the run's 1 epochs"):  # amplified BandMF
         extended(TrainConfig(algorithm="dp-memf", epochs=1, epsilon=1.0), 2, 10)
     fixed = TrainConfig(algorithm="dp-memf", epochs=20, epsilon=1.0, sampling="fixed")
