@@ -114,6 +114,17 @@ class Dense(Capture):
         return Dense(self.g[rows], self.shape)
 
 
+def gram_cost(steps: int, other_steps: int, rows: int, cols: int) -> int:
+    """Multiply-adds per example of <A, B> for dense-factored captures of ``steps`` and ``other_steps`` steps by
+    their Gram matrices (``rows`` 0 where a left factor is indexed: its Gram matrix is a comparison)."""
+    return steps * other_steps * (rows + cols)
+
+
+def materializing_cost(steps: int, other_steps: int, rows: int, cols: int) -> int:
+    """Multiply-adds per example of <A, B> by forming both gradients, rows x cols each."""
+    return (steps + other_steps + 1) * rows * cols
+
+
 class Outer(Capture):
     """G_i = sum_t left[i, t] (x) right[i, t], reshaped to ``shape`` (rows x cols elements).
 
@@ -192,11 +203,10 @@ class Outer(Capture):
 
     def ghost_cost(self, other: "Outer") -> float:
         """Multiply-adds of the Gram route for <self, other> per example."""
-        left = 0 if self.indexed or other.indexed else self.rows
-        return self.steps * other.steps * (left + self.cols)
+        return gram_cost(self.steps, other.steps, 0 if self.indexed or other.indexed else self.rows, self.cols)
 
     def materialize_cost(self, other: "Outer") -> int:
-        return (self.steps + other.steps + 1) * self.rows * self.cols
+        return materializing_cost(self.steps, other.steps, self.rows, self.cols)
 
 
 class ConvOuter(Outer):
@@ -525,8 +535,8 @@ def difference(terms: list[tuple[float, Outer]]) -> Outer | None:
     if not (ca * cb < 0 and type(a) is Outer and type(b) is Outer and not a.indexed and not b.indexed
             and a.left.shape == b.left.shape and a.right.shape == b.right.shape):
         return None
-    steps = 3 * a.steps  # the result's ghost_cost and materialize_cost with itself
-    if steps * steps * (a.rows + a.cols) > (2 * steps + 1) * a.rows * a.cols:
+    steps = 3 * a.steps  # the result's: by_materializing(result), from its shapes
+    if gram_cost(steps, steps, a.rows, a.cols) > materializing_cost(steps, steps, a.rows, a.cols):
         return None
     a.check_unchanged()
     b.check_unchanged()
