@@ -1,7 +1,7 @@
 """What Accelerated-DP-SRGD's clipped statistic is made of at the end of a run (docs/defaults.md, its misses on the
-MNIST CNN and ViT): per-example norms of its two parts and how many examples the clip cuts.
+MNIST CNN and ViT; DP-SRGD's is the same): per-example norms of its two parts and how many examples the clip cuts.
 
-At a run's checkpoint (``RUN/checkpoint.pt`` of ``dpopt train --algorithm accel-dp-srgd ... --out RUN``), with
+At a run's checkpoint (``RUN/checkpoint.pt`` of ``dpopt train --algorithm accel-dp-srgd|dp-srgd ... --out RUN``), with
 eta = t + 1 and the coupling's last two points x_t and x_{t-1}, for ``--examples`` training examples drawn with a
 public seed (Alg. 1 line 3; one dropout draw per example for both points, as the recipe does):
     g_i = grad f(x_{t-1}; d_i),  d_i = eta (grad f(x_t; d_i) - g_i),  u_i = g_i + d_i = the clipped statistic,
@@ -34,7 +34,7 @@ def measure(run: Path, examples: int) -> dict:
     config = TrainConfig.from_dict(state["config"])
     coupling = state["optimizer"]["base"]
     if "x_prev" not in coupling or coupling["x_prev"] is None:
-        raise ValueError(f"{run} is not an Accelerated-DP-SRGD run past its first step")
+        raise ValueError(f"{run} is not an accel-dp-srgd or dp-srgd run past its first step")
     data = load_dataset(config.dataset)
     model = build_model(config.model, data)
     model.load_state_dict(state["model"])
@@ -69,7 +69,8 @@ def measure(run: Path, examples: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dpopt reproduce accel_statistic", description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", type=Path, help="run folders of accel-dp-srgd (their checkpoint.pt)")
+    parser.add_argument("runs", nargs="+", type=Path,
+                        help="run folders of accel-dp-srgd or dp-srgd (their checkpoint.pt)")
     parser.add_argument("--examples", type=int, default=256, help="training examples measured per run")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/accel_statistic"))
     args = parser.parse_args(argv)

@@ -268,12 +268,13 @@ def test_accelerated_srgd_warns_when_its_step_is_too_large_for_the_run_length():
 
 @pytest.mark.parametrize("algorithm,rule", [("accel-dp-srgd", StepRule(1.1 * 240 ** 0.5, 1.5, cap=StepRule(1.1, 1.0))),
                                             ("dp-ftrl", StepRule(0.465, 0.5, floor=0.03)),
-                                            ("dp-srgd", StepRule(3.1, 0.5, cap=0.2, floor=0.1)), ("dp-adam", StepRule(0.15, 0.5))])
+                                            ("dp-srgd", StepRule(3.1, 0.5, cap=0.2, floor=0.1)),
+                                            ("dp-adam", StepRule(0.15, 0.5))])
 def test_a_default_step_set_by_the_run_length_is_resolved_once_the_length_is_known(algorithm, rule):
     """accel-dp-srgd's default lr is min(1.1 / T, 1.1 sqrt(240) / T^1.5), DP-FTRL's max(0.03, 0.465 / sqrt(T)),
-    DP-SRGD's max(0.1, min(0.2, 3.1 / sqrt(T))) and Adam's 0.15 / sqrt(T) for the run's T steps, resolved once the run's length
-    is known (train's config and make_private alike); a given lr is kept; an unresolved rule or no lr at all is
-    refused."""
+    DP-SRGD's max(0.1, min(0.2, 3.1 / sqrt(T))) and Adam's 0.15 / sqrt(T) for the run's T steps, resolved once the
+    run's length is known (train's config and make_private alike); a given lr is kept; an unresolved rule or no lr at
+    all is refused."""
     assert TrainConfig(algorithm=algorithm).hp.lr == rule
     for epochs in (1, 90):  # 12 and 1,080 steps: the caps bind on the first only, the floors on the second
         run = build_run(TrainConfig(algorithm=algorithm, epochs=epochs, noise_multiplier=1.0), log=quiet)
