@@ -10,7 +10,7 @@ discretisation (``ledger.FINE`` = 1e-4, the interval at which the ledger reports
 same function epsilon(z). Three searches per setting:
 
 * ``dpopt``: ``noise_multiplier_for`` as shipped (bracket by doubling with the coarse, pessimistic PLD, then
-  bisection on log z until epsilon(z) lies in [0.995 target, target]);
+  secant steps on log epsilon against log z, coarse then fine, until epsilon(z) lies in [0.995 target, target]);
 * ``library``: ``calibrate_dp_mechanism`` with its defaults (bracket searched from [0, 1], Brent's method,
   tol 1e-6 in z);
 * ``library, dpopt bracket``: dpopt's coarse bracket handed to ``calibrate_dp_mechanism`` as an
@@ -18,8 +18,8 @@ same function epsilon(z). Three searches per setting:
 
 Every returned z is then accounted by dpopt's own ledger (``epsilon_of`` at the fine interval): the epsilon it
 achieves, its ratio to the target (dpopt promises [0.995, 1]) and whether it exceeds the target (a privacy
-bug). Time is CPU (``time.process_time``, one thread) and wall, of one search each, with dpopt's PLD cache
-cleared before every search so none reuses another's work.
+bug). Time is CPU (``time.process_time``, one thread) and wall, of one search each, with dpopt's PLD and
+calibration caches cleared before every search so none reuses another's work.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import dp_accounting as dpa
 from dp_accounting import mechanism_calibration as mc
 from dp_accounting import pld
 
-from dpopt.privacy.calibrate import TIGHTNESS, noise_multiplier_for
+from dpopt.privacy.calibrate import TIGHTNESS, _gaussian_multiplier, noise_multiplier_for
 from dpopt.privacy.ledger import (COARSE, FINE, GaussianRelease, PoissonSampling, Relation, _relation,
                                   _subsampled_gaussian_pld, epsilon_of)
 
@@ -87,6 +87,7 @@ def library_in_dpopt_bracket(q: float, steps: int, target: float, delta: float, 
 
 def timed(search, *args) -> tuple[float, int | None, float, float]:
     _subsampled_gaussian_pld.cache_clear()
+    _gaussian_multiplier.cache_clear()
     counter = [0]
     wall, cpu = time.perf_counter(), time.process_time()
     if search is dpopt_search:

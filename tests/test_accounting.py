@@ -9,7 +9,7 @@ from dp_accounting import pld, rdp
 from dpopt.privacy import (AccountingError, FixedParticipation, GaussianRelease, PoissonSampling, PrivacyLedger,
                            epsilon_of, noise_multiplier_for)
 from dpopt.federated.privacy import gaussian_epsilon
-from dpopt.privacy import ledger
+from dpopt.privacy import calibrate, ledger
 from dpopt.privacy.ledger import FINE, pld_interval
 
 
@@ -46,6 +46,24 @@ def test_calibration_round_trip(accountant, participation, steps, target):
     eps = epsilon_of([GaussianRelease(z, participation, steps)], 1e-5, accountant)
     assert eps <= target
     assert eps >= 0.99 * target
+
+
+@pytest.mark.parametrize("participation,steps,target,delta", [
+    (PoissonSampling(128 / 60000), 9380, 2.0, 1e-5), (PoissonSampling(0.5), 1, 2.0, 1e-2),
+    (PoissonSampling(0.2), 50, 8.0, 1e-5), (FixedParticipation(10), 100, 0.5, 1e-6)])
+def test_calibration_lands_in_its_band_with_few_fine_evaluations(monkeypatch, participation, steps, target, delta):
+    """The secant search's budget: each fine (ledger-precision) PLD costs about ten coarse ones, and the search
+    spends at most two of them and ten evaluations in all (bisection spent 9-33)."""
+    calls = []
+
+    def counted(releases, *args):
+        calls.append(args[-1])
+        return epsilon_of(releases, *args)
+
+    monkeypatch.setattr(calibrate, "epsilon_of", counted)
+    z = noise_multiplier_for(target, delta, participation, steps)
+    assert 0.995 * target <= epsilon_of([GaussianRelease(z, participation, steps)], delta) <= target
+    assert calls.count(FINE) <= 2 and len(calls) <= 10
 
 
 def test_fixed_participation_is_gaussian_composed_per_epoch():
@@ -108,6 +126,20 @@ def test_bad_participation_refused():
         PoissonSampling(1.5)
     with pytest.raises(ValueError, match="participation period must be >= 1"):
         FixedParticipation(0)
+
+
+@pytest.mark.parametrize("releases", [poisson(1.1, 256 / 60000, 14063), poisson(0.5, 0.5, 4),  # both bounds < 100
+                                      poisson(0.34, 0.01, 3000),  # integer orders 1,366; all orders 95.5
+                                      poisson(0.2, 0.01, 3000), [GaussianRelease(0.4, FixedParticipation(1), 25)]])
+def test_pld_grid_from_the_integer_order_bound_equals_the_full_rdp_estimate(releases):
+    """The integer orders are a subset of dp-accounting's, so their epsilon bounds the full estimate from above;
+    the grid step is the same whether or not the full estimate was needed (cases below, across and above
+    epsilon 100)."""
+    assert set(ledger.INTEGER_ORDERS) <= set(rdp.rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
+    events = [r.dp_event("rdp", ledger.Relation.ADD_REMOVE) for r in releases]
+    full = ledger._rdp_epsilon(events, 1e-5, ledger.Relation.ADD_REMOVE)
+    assert ledger._rdp_epsilon(events, 1e-5, ledger.Relation.ADD_REMOVE, ledger.INTEGER_ORDERS) >= full
+    assert pld_interval(releases, 1e-5) == max(FINE, full / ledger.GRID_POINTS)
 
 
 def test_pld_grid_coarsens_past_epsilon_100_and_still_bounds_epsilon(monkeypatch):

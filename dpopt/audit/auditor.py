@@ -22,7 +22,6 @@ claimed is the run's own ledger's at the audit's delta.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -36,7 +35,7 @@ from dpopt.data.samplers import PoissonSampler
 from dpopt.device import resolve_device
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.rng import SecretStream, derive_seed, secret_key
-from dpopt.privacy import Participation, PrivacyLedger, check_budget, noise_multiplier_for
+from dpopt.privacy import PrivacyLedger, check_budget, noise_multiplier_for
 from dpopt.transforms.base import Transform
 
 
@@ -164,16 +163,10 @@ def poisson_privatizer(spec: AuditSpec, dataset_size: int) -> Privatizer:
     secret seed)."""
     key = secret_key(spec.secret_seed)
     sampler = PoissonSampler(dataset_size, spec.sample_rate, SecretStream(key, "sampling"))
-    z = _calibrated(spec.epsilon, spec.delta, sampler.participation, spec.steps)
+    z = noise_multiplier_for(spec.epsilon, spec.delta, sampler.participation, spec.steps)
     clipping = Clipping(spec.clip)
     noise = GaussianNoise(z, clipping.sensitivity, SecretStream(key, "noise"))
     return Privatizer(clipping, noise, sampler, PrivacyLedger())
-
-
-@functools.lru_cache(maxsize=64)
-def _calibrated(epsilon: float, delta: float, participation: Participation, steps: int) -> float:
-    """``noise_multiplier_for``, remembered: setups that run the recipe many times calibrate once."""
-    return noise_multiplier_for(epsilon, delta, participation, steps)
 
 
 class ReleaseRecorder(Transform):

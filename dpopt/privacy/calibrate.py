@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -27,32 +28,79 @@ def noise_multiplier_for(epsilon: float, delta: float, participation: Participat
     whole run's release at multiplier z for another mechanism (e.g. correlated noise's ``whole_run``); by
     default it is ``GaussianRelease(z, participation, steps)``.
 
-    Epsilon decreases in z, so this is a bisection on log z: first with the coarse (pessimistic) PLD, whose
-    answer is a valid upper end, then with the accountant's own precision inside that bracket.
+    Epsilon decreases in z, and log epsilon is nearly a line in log z. So the search brackets z by doubling,
+    then takes secant steps on that line: first with the coarse (pessimistic) PLD into the top fifth of the band,
+    whose answer is a valid upper end, then with the accountant's own precision from there, usually one step.
     """
     check_budget(epsilon, delta)
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    relation = Relation(relation)
+    if release is None:
+        return _gaussian_multiplier(epsilon, delta, participation, steps, accountant, relation)
+    return _search(lambda z, interval: epsilon_of([release(z)], delta, accountant, relation, interval), epsilon, delta)
 
-    def eps(z: float, interval: float) -> float:
-        run = GaussianRelease(z, participation, steps) if release is None else release(z)
-        return epsilon_of([run], delta, accountant, relation, interval)
+
+@functools.lru_cache(maxsize=64)
+def _gaussian_multiplier(epsilon: float, delta: float, participation: Participation, steps: int, accountant: str,
+                         relation: Relation) -> float:
+    """Remembered: a cyclic run calibrates each period it compares, then the chosen one again; an audit
+    calibrates its many runs once."""
+    return _search(lambda z, interval: epsilon_of([GaussianRelease(z, participation, steps)], delta, accountant,
+                                                  relation, interval), epsilon, delta)
+
+
+def _search(epsilon_at: Callable[[float, float], float], epsilon: float, delta: float) -> float:
+    """The search of ``noise_multiplier_for`` on ``epsilon_at(z, interval)``."""
+    eps = functools.cache(epsilon_at)
+
+    def coarse(z: float) -> float:
+        return eps(z, COARSE)
+
+    def fine(z: float) -> float:
+        return eps(z, FINE)
 
     lo, hi = 0.5, 1.0
-    while eps(hi, COARSE) > epsilon:
+    while coarse(hi) > epsilon:
         lo, hi = hi, hi * 2.0
         if hi > 1e6:
             raise ValueError(f"no noise multiplier below 1e6 reaches epsilon {epsilon} at delta {delta}")
-    while eps(lo, COARSE) <= epsilon and lo > 1e-3:
+    while coarse(lo) <= epsilon and lo > 1e-3:
         lo, hi = lo / 2.0, lo
-    for interval in (COARSE, FINE):
-        while hi / lo > 1.0 + 1e-4 and not TIGHTNESS * epsilon <= eps(hi, interval) <= epsilon:
-            mid = math.sqrt(lo * hi)
-            lo, hi = (lo, mid) if eps(mid, interval) <= epsilon else (mid, hi)
-        lo = min(lo, hi / 1.05)
-    if eps(hi, FINE) > epsilon:
+    if coarse(lo) <= epsilon:
+        return lo  # a target this loose is met at the smallest multiplier searched (and FINE <= COARSE)
+    slope = math.log(coarse(hi) / coarse(lo)) / math.log(hi / lo)
+    hi, slope = _into_band(coarse, epsilon, 1.0 - (1.0 - TIGHTNESS) / 5, lo, hi, slope)
+    hi, _ = _into_band(fine, epsilon, TIGHTNESS, None, hi, slope)
+    if fine(hi) > epsilon:
         raise AssertionError("calibration failed to meet the target")  # unreachable: COARSE >= FINE
     return float(hi)
+
+
+def _into_band(eps: Callable[[float], float], epsilon: float, floor: float, lo: float | None, hi: float,
+               slope: float) -> tuple[float, float]:
+    """From hi with eps(hi) <= epsilon, a z with eps(z) in [floor * epsilon, epsilon], and the last slope of
+    log eps in log z (negative). Each step goes from the latest point along the slope to the band's middle, kept
+    inside (lo, hi), where eps(lo) > epsilon; while no lo is known, at most 5 % down. The slope is then the secant
+    through the last two points. After eight steps, the bracket is halved (or, with no lo, hi lowered 5 %)
+    instead. Stops where the bracket is 1e-4 wide."""
+    aim = math.log(epsilon) + 0.5 * math.log(floor)
+    last, steps = hi, 0
+    while eps(hi) < floor * epsilon and (lo is None or hi / lo > 1.0 + 1e-4):
+        newton = last * math.exp((aim - math.log(eps(last))) / slope)
+        if lo is None:
+            z = hi / 1.05 if steps >= 8 else max(newton, hi / 1.05)
+        else:
+            t = 0.5 if steps >= 8 else min(max(math.log(newton / lo) / math.log(hi / lo), 0.02), 0.98)
+            z = lo * (hi / lo) ** t
+        if eps(z) > 0 and eps(last) > 0 and math.log(eps(z) / eps(last)) / math.log(z / last) < 0:
+            slope = math.log(eps(z) / eps(last)) / math.log(z / last)
+        if eps(z) > epsilon:
+            lo = z
+        else:
+            hi = z
+        last, steps = z, steps + 1
+    return hi, slope
 
 
 def advanced_composition_noise(epsilon: float, delta: float, steps: int) -> float:
