@@ -71,9 +71,9 @@ def _search(epsilon_at: Callable[[float, float], float], epsilon: float, delta: 
         return lo  # a target this loose is met at the smallest multiplier searched (and FINE <= COARSE)
     slope = math.log(coarse(hi) / coarse(lo)) / math.log(hi / lo)
     hi, slope = _into_band(coarse, epsilon, 1.0 - (1.0 - TIGHTNESS) / 5, lo, hi, slope)
+    while fine(hi) > epsilon:  # the coarse PLD bounds the fine one where their grids nest, below epsilon 100
+        hi *= 1.01  # (``pld_interval``); past it, step up to a valid end
     hi, _ = _into_band(fine, epsilon, TIGHTNESS, None, hi, slope)
-    if fine(hi) > epsilon:
-        raise AssertionError("calibration failed to meet the target")  # unreachable: COARSE >= FINE
     return float(hi)
 
 
