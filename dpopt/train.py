@@ -273,10 +273,11 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel:
             f"noise on the workload at epsilon {config.epsilon} (--bands sets it)")
     sampler = make_sampler(config.sampling_kind, n, config.batch_size, SecretStream(key, "sampling"), config.hp.bands)
     total = config.epochs * sampler.steps_per_epoch
-    if isinstance(rule := config.hp.lr, StepRule):  # set by the run's length: the config keeps the value used
-        config = dataclasses.replace(config, hp=config.hp.for_run(total))
-        log(f"{config.algorithm}: lr = {rule} = {config.hp.lr:.3g} over {total} steps (its default depends on the "
-            "run's length; --lr sets it)")
+    for name, rule in config.hp.rules().items():  # set by the run's length: the config keeps the value used
+        flag = "--" + name.replace("_", "-")
+        log(f"{config.algorithm}: {name} = {rule} = {rule(total):.3g} over {total} steps "
+            f"(its default depends on the run's length; {flag} sets it)")
+    config = dataclasses.replace(config, hp=config.hp.for_run(total))
     clipping = Clipping(config.clip, config.clipping)
     ledger = PrivacyLedger(config.relation, config.accountant)
     noise = build_run_noise(config, sampler, total, clipping.sensitivity, SecretStream(key, "noise"), log)

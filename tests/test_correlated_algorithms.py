@@ -266,6 +266,38 @@ def test_accelerated_srgd_warns_when_its_step_is_too_large_for_the_run_length():
         optimizer(model, "dp-srgd", noise="tree", lr=10.0 / steps)  # unaccelerated: no 1/T bound (3.1 / sqrt(T))
 
 
+@pytest.mark.parametrize("algorithm", ["accel-dp-srgd", "dp-srgd"])
+def test_a_statistic_scale_s_is_a_clip_s_times_larger_with_a_step_s_times_smaller(algorithm):
+    """Dividing the two-point statistic by s before a clip at C, at step lr, moves the model as clipping it at s*C,
+    at step lr / s, with the same noise draws (whose std is then s times larger, in units of the statistic): the same
+    iterates up to rounding, with both clips binding on some examples; s = 1 is the paper's statistic."""
+    runs = []
+    for clip, lr, scale in ((0.5, 0.02, 4.0), (2.0, 0.005, 1.0)):
+        model, data = problem()
+        opt = optimizer(model, algorithm, noise="tree", z=0.5, clip=clip, lr=lr, statistic_scale=scale)
+        clipped = [opt.step(data).clipped for _ in range(EPOCHS * 3)]
+        runs.append(params(model))
+    assert 0 < sum(clipped) < len(clipped) * BATCH  # the clip cut some examples, not all
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="statistic scale must be a finite number > 0"):
+        Hyperparameters(statistic_scale=0.0)
+
+
+def test_accel_dp_srgd_scales_its_statistic_by_the_run_length_past_938_steps():
+    """accel-dp-srgd's default scale is max(1, T / 938), resolved with the run's length (read back from a config as
+    a rule); 1 on digits' default run, and a given scale is kept."""
+    rule = TrainConfig(algorithm="accel-dp-srgd").hp.statistic_scale
+    assert isinstance(rule, StepRule) and TrainConfig.from_dict(TrainConfig(algorithm="accel-dp-srgd").to_dict()).hp \
+        .statistic_scale == rule
+    for epochs, scale in ((20, 1.0), (90, 1080 / 938)):  # digits: 12 steps an epoch
+        run = build_run(TrainConfig(algorithm="accel-dp-srgd", epochs=epochs, noise_multiplier=1.0), log=quiet)
+        assert run.total_steps == 12 * epochs and run.config.hp.statistic_scale == run.optimizer.base.scale == scale
+    given = Hyperparameters.for_algorithm("accel-dp-srgd", statistic_scale=3.0)
+    run = build_run(TrainConfig(algorithm="accel-dp-srgd", epochs=90, noise_multiplier=1.0, hp=given), log=quiet)
+    assert run.optimizer.base.scale == 3.0
+
+
 @pytest.mark.parametrize("algorithm,rule", [("accel-dp-srgd", StepRule(1.1 * 240 ** 0.5, 1.5, cap=StepRule(1.1, 1.0))),
                                             ("dp-ftrl", StepRule(0.465, 0.5, floor=0.03)),
                                             ("dp-srgd", StepRule(3.1, 0.5, cap=0.2, floor=0.1)),

@@ -22,10 +22,10 @@ TREE_DECODERS = ("sum", "least-squares")
 
 @dataclass(frozen=True)
 class StepRule:
-    """A default learning rate set by the run's length T: ``scale / T**power``, at most ``cap`` where given (a
-    number, or another rule of T) and at least ``floor``. Accelerated-DP-SRGD's step must shrink like 1/T (Claim
-    4.2: power 1), and like T^(-3/2) on long runs (Thm 4.10's β); Adam's noise-driven walk grows like lr * sqrt(T)
-    (power 1/2)."""
+    """A default set by the run's length T: ``scale / T**power``, at most ``cap`` where given (a number, or
+    another rule of T) and at least ``floor``. Accelerated-DP-SRGD's step must shrink like 1/T (Claim 4.2: power
+    1), and like T^(-3/2) on long runs (Thm 4.10's β); Adam's noise-driven walk grows like lr * sqrt(T) (power
+    1/2); Accelerated-DP-SRGD's statistic scale grows like T past 938 steps (power -1, floor 1)."""
 
     scale: float
     power: float
@@ -43,7 +43,8 @@ class StepRule:
         return lr if self.floor is None else max(self.floor, lr)
 
     def __str__(self) -> str:
-        rule = f"{self.scale:g}/" + {1.0: "steps", 0.5: "sqrt(steps)"}.get(self.power, f"steps^{self.power:g}")
+        rule = (f"steps/{1 / self.scale:g}" if self.power == -1.0 else
+                f"{self.scale:g}/" + {1.0: "steps", 0.5: "sqrt(steps)"}.get(self.power, f"steps^{self.power:g}"))
         if self.cap is not None:
             rule = f"min({self.cap if isinstance(self.cap, StepRule) else format(self.cap, 'g')}, {rule})"
         return rule if self.floor is None else f"max({self.floor:g}, {rule})"
@@ -72,6 +73,9 @@ class Hyperparameters:
                          "g_t = c g_t-1 + noisy increment (dp-srg-memf; 0 is dp-memf)")
     radius: float = hyper(0.0, "L2-ball constraint radius around the initial point, 0 for none "
                           "(accel-dp-srgd, dp-srgd; there lr is 1/beta)")
+    statistic_scale: float | StepRule = hyper(1.0, "the two-point statistic is divided by it before the clip: "
+                                              "clipped at scale * C, a step of lr / scale in C's units "
+                                              "(accel-dp-srgd, dp-srgd)")
     workload: str = hyper("ones", "workload the optimised factorization targets (--noise mf, banded): ones "
                           "(prefix sums) or true (with --momentum and, for dp-srg-memf, --decay)")
     bands: int = hyper(0, "bands of --noise banded/sqrt, and the period of --sampling cyclic (0: one epoch's steps "
@@ -95,6 +99,10 @@ class Hyperparameters:
             raise ValueError(f"Adam betas must lie in [0, 1), got {self.betas}")
         if not 0.0 <= self.decay < 1.0:
             raise ValueError(f"the SRG decay c must lie in [0, 1), got {self.decay}")
+        if not isinstance(self.statistic_scale, StepRule) and not (
+                isinstance(self.statistic_scale, (int, float)) and math.isfinite(self.statistic_scale)
+                and self.statistic_scale > 0):
+            raise ValueError(f"the statistic scale must be a finite number > 0, got {self.statistic_scale}")
         if not (math.isfinite(self.radius) and self.radius >= 0.0):
             raise ValueError(f"the constraint radius must be a finite number >= 0 (0: unconstrained), "
                              f"got {self.radius}")
@@ -116,10 +124,14 @@ class Hyperparameters:
         given = {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items() if v is not None}
         return cls(**{**DEFAULTS.get(name, {}), **given})
 
+    def rules(self) -> dict[str, StepRule]:
+        """The fields still given as a ``StepRule`` of the run's length (a recipe's default)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), StepRule)}
+
     def for_run(self, steps: int) -> "Hyperparameters":
-        """These hyper-parameters over a run of ``steps`` steps: a learning rate given as a ``StepRule`` (a
-        recipe's default) becomes its value for that length."""
-        return replace(self, lr=self.lr(steps)) if isinstance(self.lr, StepRule) else self
+        """These hyper-parameters over a run of ``steps`` steps: each field given as a ``StepRule`` becomes its
+        value for that length."""
+        return replace(self, **{name: rule(steps) for name, rule in self.rules().items()})
 
 
 Recipe = Callable[[PerExampleEngine, Privatizer, Hyperparameters], DPOptimizer]
@@ -160,8 +172,9 @@ def build_algorithm(name: str, engine: PerExampleEngine, privatizer: Privatizer,
     """The recipe ``name``; its steps go through the engine ``physical_batch_size`` examples at a time."""
     if name not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {name!r}; choose one of {', '.join(sorted(ALGORITHMS))}")
-    if isinstance(hp.lr, StepRule):
-        raise ValueError(f"{name}: the learning rate is still the rule {hp.lr}; resolve it with hp.for_run(steps)")
+    if hp.rules():
+        raise ValueError(f"{name}: {', '.join(f'{k} is still the rule {v}' for k, v in hp.rules().items())}; "
+                         "resolve it with hp.for_run(steps)")
     optimizer = ALGORITHMS[name](engine, privatizer, hp)
     optimizer.physical_batch_size = physical_batch_size
     return optimizer
