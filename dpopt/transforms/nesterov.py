@@ -9,9 +9,10 @@ With weights η_t = t + 1 and 1/β = ``lr``, per step t, on the SAME batch at x_
     z_{t+1} = Π(z_t − S̃_t/β),  y_{t+1} = Π(x_t − S̃_t/(η_t β))     (lines 5-6: the same noise in both)
     x_{t+1} = (1 − τ_{t+1}) y_{t+1} + τ_{t+1} z_{t+1},  τ_t = η_t / η_{0:t} = 2/(t+2)   (line 7)
 Π projects onto the L2 ball of ``radius`` around the initial point (the paper's 𝒞 ∋ x_0 = 0; radius 0: no
-constraint). The scale s (``scale``, 1 in the paper) is dpopt's: clipping u_i at C is clipping the paper's
-statistic at s·C with a step 1/(sβ) in C's units, the same noise in x (docs/defaults.md). The model holds y (the output, L105); the gradients are taken at x and x_{t−1} through the
-engine's ``at=``. ``accelerate=False`` sets τ ≡ 0 (x = y): projected SGD with the SRG estimate.
+constraint). The scale s (``scale``, 1 in the paper) is dpopt's: clipping u_i at C is clipping the paper's statistic
+at s·C with a step 1/(sβ) in C's units, the same noise in x (docs/defaults.md). The model holds y (the output,
+L105); the gradients are taken at x and x_{t−1} through the engine's ``at=``. ``accelerate=False`` sets τ ≡ 0 (x =
+y): projected SGD with the SRG estimate.
 """
 
 from __future__ import annotations
