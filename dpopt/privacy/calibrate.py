@@ -69,7 +69,7 @@ def _search(epsilon_at: Callable[[float, float], float], epsilon: float, delta: 
         lo, hi = lo / 2.0, lo
     if coarse(lo) <= epsilon:
         return lo  # a target this loose is met at the smallest multiplier searched (and FINE <= COARSE)
-    slope = math.log(coarse(hi) / coarse(lo)) / math.log(hi / lo)
+    slope = (_log(coarse(hi)) - _log(coarse(lo))) / math.log(hi / lo)
     hi, slope = _into_band(coarse, epsilon, 1.0 - (1.0 - TIGHTNESS) / 5, lo, hi, slope)
     while fine(hi) > epsilon:  # the coarse PLD bounds the fine one where their grids nest, below epsilon 100
         hi *= 1.01  # (``pld_interval``); past it, step up to a valid end
@@ -87,20 +87,25 @@ def _into_band(eps: Callable[[float], float], epsilon: float, floor: float, lo: 
     aim = math.log(epsilon) + 0.5 * math.log(floor)
     last, steps = hi, 0
     while eps(hi) < floor * epsilon and (lo is None or hi / lo > 1.0 + 1e-4):
-        newton = last * math.exp((aim - math.log(eps(last))) / slope)
+        newton = last * math.exp((aim - _log(eps(last))) / slope)
         if lo is None:
             z = hi / 1.05 if steps >= 8 else max(newton, hi / 1.05)
         else:
             t = 0.5 if steps >= 8 else min(max(math.log(newton / lo) / math.log(hi / lo), 0.02), 0.98)
             z = lo * (hi / lo) ** t
-        if eps(z) > 0 and eps(last) > 0 and math.log(eps(z) / eps(last)) / math.log(z / last) < 0:
-            slope = math.log(eps(z) / eps(last)) / math.log(z / last)
+        if (secant := (_log(eps(z)) - _log(eps(last))) / math.log(z / last)) < 0:
+            slope = secant
         if eps(z) > epsilon:
             lo = z
         else:
             hi = z
         last, steps = z, steps + 1
     return hi, slope
+
+
+def _log(value: float) -> float:
+    """log, with epsilon 0 (a loose target's large multipliers) taken as 1e-300."""
+    return math.log(max(value, 1e-300))
 
 
 def advanced_composition_noise(epsilon: float, delta: float, steps: int) -> float:
