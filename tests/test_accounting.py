@@ -51,7 +51,7 @@ def test_calibration_round_trip(accountant, participation, steps, target):
 @pytest.mark.parametrize("participation,steps,target,delta", [
     (PoissonSampling(128 / 60000), 9380, 2.0, 1e-5), (PoissonSampling(0.5), 1, 2.0, 1e-2),
     (PoissonSampling(0.2), 50, 8.0, 1e-5), (FixedParticipation(10), 100, 0.5, 1e-6),
-    (FixedParticipation(1), 1, 0.5, 0.5)])  # epsilon 0 at the bracket's upper end (a math domain error until 2026-11-28)
+    (FixedParticipation(1), 1, 0.5, 0.5)])  # epsilon 0 at the upper end (a math domain error before)
 def test_calibration_lands_in_its_band_with_few_fine_evaluations(monkeypatch, participation, steps, target, delta):
     """The secant search's budget: each fine (ledger-precision) PLD costs about ten coarse ones, and the search
     spends at most two of them and ten evaluations in all (bisection spent 9-33)."""
