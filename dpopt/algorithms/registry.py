@@ -50,6 +50,11 @@ class StepRule:
         return rule if self.floor is None else f"max({self.floor:g}, {rule})"
 
 
+def _positive_or_rule(value: Any) -> bool:
+    """A field that may be a run-length rule: the rule, or a finite number > 0."""
+    return isinstance(value, StepRule) or (isinstance(value, (int, float)) and math.isfinite(value) and value > 0)
+
+
 @dataclass(frozen=True)
 class Hyperparameters:
     """The optimisation hyper-parameters of every recipe; each becomes a ``dpopt train`` flag.
@@ -88,8 +93,7 @@ class Hyperparameters:
                                    "safe to publish)")
 
     def __post_init__(self) -> None:
-        if not isinstance(self.lr, StepRule) and not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr)
-                                                      and self.lr > 0):
+        if not _positive_or_rule(self.lr):
             raise ValueError(f"learning rate must be a finite number > 0, got {self.lr}")
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"momentum must lie in [0, 1), got {self.momentum}")
@@ -99,9 +103,7 @@ class Hyperparameters:
             raise ValueError(f"Adam betas must lie in [0, 1), got {self.betas}")
         if not 0.0 <= self.decay < 1.0:
             raise ValueError(f"the SRG decay c must lie in [0, 1), got {self.decay}")
-        if not isinstance(self.statistic_scale, StepRule) and not (
-                isinstance(self.statistic_scale, (int, float)) and math.isfinite(self.statistic_scale)
-                and self.statistic_scale > 0):
+        if not _positive_or_rule(self.statistic_scale):
             raise ValueError(f"the statistic scale must be a finite number > 0, got {self.statistic_scale}")
         if not (math.isfinite(self.radius) and self.radius >= 0.0):
             raise ValueError(f"the constraint radius must be a finite number >= 0 (0: unconstrained), "
@@ -172,8 +174,8 @@ def build_algorithm(name: str, engine: PerExampleEngine, privatizer: Privatizer,
     """The recipe ``name``; its steps go through the engine ``physical_batch_size`` examples at a time."""
     if name not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {name!r}; choose one of {', '.join(sorted(ALGORITHMS))}")
-    if hp.rules():
-        raise ValueError(f"{name}: {', '.join(f'{k} is still the rule {v}' for k, v in hp.rules().items())}; "
+    if rules := hp.rules():
+        raise ValueError(f"{name}: {', '.join(f'{k} is still the rule {v}' for k, v in rules.items())}; "
                          "resolve it with hp.for_run(steps)")
     optimizer = ALGORITHMS[name](engine, privatizer, hp)
     optimizer.physical_batch_size = physical_batch_size
