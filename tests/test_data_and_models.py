@@ -13,6 +13,7 @@ from helpers import quiet
 
 
 def test_mnist1d_is_built_offline_and_trains(monkeypatch):
+    pytest.importorskip("mnist1d")  # the [data] extra, which the test extra installs
     def no_network(*args, **kwargs):
         raise OSError("network access attempted")
 
