@@ -46,6 +46,7 @@ import argparse
 import dataclasses
 import functools
 import gc
+import importlib.util
 import json
 import os
 import re
@@ -64,11 +65,15 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from dpopt.device import add_device_arguments, autocast, autocast_dtype, resolve_device, to_device
+from dpopt.extras import require
 
 SYSTEMS = ("pytorch", "dpopt", "dpopt-materialize", "opacus-hooks", "opacus-ghost", "dp-grape", "dp-galore",
            "galore", "dpzero", "disk-sgd", "dp-srg-memf", "accel-dp-srgd")
 DEFAULT_SYSTEMS = ("pytorch", "dpopt", "opacus-hooks", "opacus-ghost")
 WORKLOADS = ("cnn", "mlp", "vit", "bert", "minilm")
+# A workload's batch where --batch is not given; with no flags, the bench times the CNN (about a minute).
+DEFAULT_BATCH = {"cnn": 256, "mlp": 256, "vit": 64, "bert": 32, "minilm": 32}
+DEFAULT_WORKLOAD = "cnn"
 # glibc: no trimming of the heap's top, and allocations up to 32 MiB (glibc's cap) from the heap, not mmap.
 STEADY_HEAP = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(1 << 25)}
 
@@ -397,8 +402,10 @@ SCALING = ([Case("cnn", b) for b in (64, 256, 1024, 2048)] + [Case("bert", b) fo
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", choices=WORKLOADS)
-    p.add_argument("--batch", type=int)
+    p.add_argument("--workload", choices=WORKLOADS,
+                   help=f"the model and data shape (default: {DEFAULT_WORKLOAD}, unless --suite or --scaling)")
+    p.add_argument("--batch", type=int, help="examples per step (default: " +
+                   ", ".join(f"{w} {b}" for w, b in DEFAULT_BATCH.items()) + ")")
     p.add_argument("--seq", type=int, default=64, help="sequence length (bert, minilm)")
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd", help="base optimizer of every system")
     p.add_argument("--rank", type=int, default=16, help="projection rank of dp-grape, dp-galore and galore")
@@ -408,9 +415,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--physical-batch-size", type=int, metavar="N",
                    help="dpopt systems: process the batch in chunks of N examples (one release per step)")
     add_device_arguments(p, precision="fp32")
-    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(DEFAULT_SYSTEMS))
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS,
+                   help=f"what to time (default: {' '.join(DEFAULT_SYSTEMS)}; Opacus's where it is installed)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: 3)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps, whose median is reported (default: 10)")
     p.add_argument("--repeats", type=int, default=1, help="run the systems in turn this many times; keep each one's fastest")
     p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the systems stepped in turn in one process (CPU time: the fair comparison on a "
@@ -434,17 +442,27 @@ def method(args: argparse.Namespace) -> str:
                   "one system more than another"
 
 
+def _installed(systems: tuple[str, ...]) -> tuple[str, ...]:
+    """``systems`` without Opacus's where Opacus is not installed, saying so."""
+    if importlib.util.find_spec("opacus") is not None:
+        return systems
+    print("opacus-hooks and opacus-ghost left out: Opacus is not installed (pip install 'dpopt[experiments]')",
+          file=sys.stderr)
+    return tuple(s for s in systems if not s.startswith("opacus"))
+
+
 def run(args: argparse.Namespace) -> int:
     if args.suite or args.scaling:
         cases = [dataclasses.replace(c, threads=args.threads, device=args.device, precision=args.precision)
                  for c in (SUITE if args.suite else SCALING)]
-        systems = tuple(args.systems) if args.suite else ("pytorch", "dpopt")
-    elif args.workload and args.batch:
-        cases = [Case(args.workload, args.batch, args.seq, args.optimizer, args.rank, args.threads,
-                      args.physical_batch_size, args.device, args.precision)]
-        systems = tuple(args.systems)
+        systems = tuple(args.systems or _installed(DEFAULT_SYSTEMS)) if args.suite else ("pytorch", "dpopt")
     else:
-        raise ValueError("give --workload and --batch, or --suite, or --scaling")
+        workload = args.workload or DEFAULT_WORKLOAD
+        cases = [Case(workload, args.batch or DEFAULT_BATCH[workload], args.seq, args.optimizer, args.rank,
+                      args.threads, args.physical_batch_size, args.device, args.precision)]
+        systems = tuple(args.systems or _installed(DEFAULT_SYSTEMS))
+    if any(s.startswith("opacus") for s in systems):
+        require("opacus", "experiments", f"--systems {' '.join(s for s in systems if s.startswith('opacus'))}")
     autocast_dtype(args.precision, resolve_device(args.device))  # bad input: one line, before any process starts
     print(method(args), file=sys.stderr if args.json else sys.stdout, flush=True)
     rows = []

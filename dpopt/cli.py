@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
@@ -443,15 +444,23 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+                  line: str | None = None) -> None:
+    """A warning as a CLI user reads it: one line, like the errors, without the source line that raised it."""
+    print(f"dpopt: warning: {message}", file=file or sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     top = parser()
     args = top.parse_args(argv or ["train"])
     args.argv = argv or ["train"]
-    try:
-        return COMMANDS[args.command][1](args)
-    except (ValueError, AccountingError, DatasetNotFound, CheckpointError, MissingExtra) as e:
-        top.exit(2, f"dpopt: error: {e}\n")
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        try:
+            return COMMANDS[args.command][1](args)
+        except (ValueError, AccountingError, DatasetNotFound, CheckpointError, MissingExtra) as e:
+            top.exit(2, f"dpopt: error: {e}\n")
 
 
 if __name__ == "__main__":

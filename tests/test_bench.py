@@ -1,8 +1,10 @@
 """`dpopt bench`: each system measured in its own process; the scripting interface prints one JSON object."""
 
 import argparse
+import importlib.util
 import json
 
+import pytest
 import torch
 
 from dpopt import bench
@@ -83,3 +85,30 @@ def test_bench_opts_out_of_the_fair_defaults_and_says_so():
     assert (fair.threads, fair.interleave, bench.Case("cnn", 8).threads) == (1, True, 1)
     assert bench.method(opted).startswith("measured: 2 torch threads per system") and "--no-interleave" in \
         bench.method(opted)
+
+
+def test_bench_with_no_flags_times_the_cnn_with_the_systems_installed(monkeypatch, capsys):
+    """`dpopt bench` alone runs (issue 23): the CNN at batch 256, fairly, and without Opacus where it is missing."""
+    timed = []
+
+    def compare(case, systems, *args):
+        timed.append((case, systems))
+        return {s: {"error": "not timed in this test"} for s in systems}
+
+    monkeypatch.setattr(bench, "compare", compare)
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None)  # as if Opacus were not installed
+    assert main(["bench"]) == 0
+    (case, systems), = timed
+    assert (case.workload, case.batch, case.threads) == ("cnn", 256, 1) and systems == ("pytorch", "dpopt")
+    captured = capsys.readouterr()
+    assert captured.out.startswith("measured: 1 torch thread per system") and "interleaved" in captured.out
+    assert "Opacus is not installed (pip install 'dpopt[experiments]')" in captured.err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("opacus") is not None, reason="Opacus is installed here")
+def test_naming_opacus_without_it_is_one_line_naming_the_extra(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--systems", "pytorch", "opacus-ghost"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == ("dpopt: error: --systems opacus-ghost needs the opacus package: "
+                                         "pip install 'dpopt[experiments]'\n")

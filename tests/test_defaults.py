@@ -2,13 +2,14 @@
 issue 23), and so do dpzero and mezo (lower floors), the CLI and the Python API resolve the same defaults, and a run
 at chance warns with its cause."""
 
+import re
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from dpopt.algorithms import DEFAULTS, Hyperparameters
-from dpopt.cli import parser
+from dpopt.cli import main, parser
 from dpopt.data.datasets import DATASET_EPOCHS, DATASET_MODEL, DEFAULT_EPOCHS, DEFAULT_MODEL
 from dpopt.train import TrainConfig, chance_warning, train
 from helpers import quiet
@@ -104,6 +105,16 @@ def test_a_run_at_chance_warns_that_every_update_was_clipped():
     with pytest.warns(UserWarning, match="at chance .*every update was clipped \\(100%"):
         metrics = train(config, progress=False, log=quiet)
     assert metrics["history"][-1]["clipped_fraction"] == 1.0 and "every update was clipped" in metrics["warning"]
+
+
+def test_the_cli_prints_a_warning_as_one_line_without_the_source_line(capsys):
+    """Python's format names the file and line that warned and repeats its source line; the CLI's is like its
+    errors. The chance warning of the run above, through `dpopt train`."""
+    main(["train", "--epochs", "2", "--noise-multiplier", "0.5", "--clip", "1e-6", "--lr", "1e-3", "--secret-seed",
+          "0", "--no-progress"])
+    err = capsys.readouterr().err
+    assert re.search(r"^dpopt: warning: test accuracy \S+ is at chance .*every update was clipped", err, re.M), err
+    assert "UserWarning" not in err and ".py:" not in err
 
 
 def _fake_run(noise_multiplier, batch_size, d, classes=10):
