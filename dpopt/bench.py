@@ -417,8 +417,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device_arguments(p, precision="fp32")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS,
                    help=f"what to time (default: {' '.join(DEFAULT_SYSTEMS)}; Opacus's where it is installed)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: 3)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps, whose median is reported (default: 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--steps", type=int, default=10, help="timed steps, whose median is reported")
     p.add_argument("--repeats", type=int, default=1, help="run the systems in turn this many times; keep each one's fastest")
     p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the systems stepped in turn in one process (CPU time: the fair comparison on a "

@@ -37,9 +37,11 @@ RUN_FILES = (CHECKPOINT, "metrics.json", LOG, CURVES, TENSORBOARD, MODEL_DIR)  #
 
 
 def did_you_mean(name: str, names: Sequence[str]) -> str:
-    """"; did you mean 'x'?" for the name in ``names`` closest to a mistyped ``name``, or ""."""
-    close = difflib.get_close_matches(name, names, n=1, cutoff=0.7)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    """"; did you mean 'x'?" for the name in ``names`` closest to a mistyped ``name``, or "": case aside, and
+    close enough to take two letters swapped in a short name ('mpl': 'mlp')."""
+    lower = {n.lower(): n for n in names}
+    close = difflib.get_close_matches(name.lower(), list(lower), n=1, cutoff=0.6)
+    return f"; did you mean {lower[close[0]]!r}?" if close else ""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -291,7 +293,8 @@ def _reproduce(args: argparse.Namespace) -> int:
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from dpopt import bench
 
-    bench.add_arguments(sub.add_parser("bench", help="time and memory of a step: PyTorch vs dpopt vs Opacus"))
+    bench.add_arguments(sub.add_parser("bench", help="time and memory of a step: PyTorch vs dpopt vs Opacus",
+                                       formatter_class=_HelpFormatter))
 
 
 @command("bench", _add_bench)
@@ -306,7 +309,7 @@ def _add_federated(sub: argparse._SubParsersAction) -> None:
 
     federated.add_arguments(sub.add_parser(
         "federated", help="federated training with local DP: Clip-SGD, Clip21-SGD, Clip21-SGD2M",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+        formatter_class=_HelpFormatter))
 
 
 @command("federated", _add_federated)
@@ -346,7 +349,8 @@ def _run_training(parallel: DataParallel | None, config: TrainConfig | None, out
     metrics = (resume(resume_from, progress, parallel=parallel, epochs=epochs, state=state) if resume_from
                else train(config, out, progress, parallel=parallel))
     if parallel is None or parallel.lead:
-        print(f"test accuracy {metrics['test_accuracy']:.4f} at epsilon {metrics['epsilon']:.4f} "
+        eps = metrics["epsilon"]
+        print(f"test accuracy {metrics['test_accuracy']:.4f} at epsilon {eps:{'.4f' if eps >= 0.01 else '.3g'}} "
               f"(delta {metrics['delta']:g}) after {metrics['steps']} steps, {metrics['wall_time_s']:.1f} s")
 
 
@@ -375,6 +379,7 @@ def _resume_differences(args: argparse.Namespace, given: set[str], saved: TrainC
         if name == "out":
             value, theirs = Path(value).resolve(), Path(theirs).resolve()
         if value != theirs:
+            theirs = "none given: the default" if theirs is None else theirs  # e.g. --physical-batch-size
             differences.append(f"--{name.replace('_', '-')} {value} (the run has {theirs})")
     return differences
 
@@ -405,7 +410,9 @@ def _train(args: argparse.Namespace) -> int:
         config = TrainConfig(**values, hp=hp)
         config.validate()
         if args.out is not None:
-            claim_run_folder(args.out, RUN_FILES, args.overwrite, hint=f"continue it with --resume {args.out}, ")
+            resumable = (Path(args.out) / CHECKPOINT).is_file()  # a federated run's folder has none
+            claim_run_folder(args.out, RUN_FILES, args.overwrite,
+                             hint=f"continue it with --resume {args.out}, " if resumable else "")
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if args.nproc > 1 and launched > 1:
         raise ValueError(f"--nproc {args.nproc} under a launcher that already started {launched} processes "

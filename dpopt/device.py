@@ -28,8 +28,8 @@ def add_device_arguments(p: argparse.ArgumentParser, device: str = "cpu", precis
                    help="where the model, batches, clip stage and noise live; auto: cuda, else mps, else cpu")
     if precision is not None:
         p.add_argument("--precision", default=precision, metavar="|".join(PRECISIONS),
-                       help="autocast forward and backward in bf16 or fp16 (CUDA only; fixed loss scale); "
-                            "weights, optimizer state, norms, clipped sums and noise stay fp32")
+                       help="autocast forward and backward in bf16 (CPU or CUDA) or fp16 (CUDA only; fixed loss "
+                            "scale); weights, optimizer state, norms, clipped sums and noise stay fp32")
 
 
 def _available(kind: str) -> bool:

@@ -349,7 +349,7 @@ def build_run_noise(config: TrainConfig, sampler: Sampler, total: int, clip: flo
         return GaussianNoise(0.0, clip, stream)
     kind, hp = run_noise_kind(config, total), config.hp
     if kind != config.noise_kind and config.sampling_kind == "cyclic":
-        log(f"amplified BandMF: {kind} noise with {hp.bands} bands on cyclic Poisson sampling"
+        log(f"amplified BandMF: {kind} noise with {hp.bands} band{'s' * (hp.bands != 1)} on cyclic Poisson sampling"
             + (" (one band: iid noise, DP-SGD's privatization)" if hp.bands == 1 else "")
             + f"; the recipe's {config.noise_kind} noise is not amplified (--sampling fixed runs it on fixed-order "
             "batches)")
@@ -479,9 +479,9 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
     start, cpu_start = time.perf_counter() - wall, time.process_time() - cpu
     while run.optimizer.steps < run.total_steps:
         epoch, done = divmod(run.optimizer.steps, per_epoch)
-        bar = tqdm(range(done, per_epoch), initial=done, total=per_epoch, desc=f"epoch {epoch + 1}/{config.epochs}",
-                   disable=not progress, leave=False)
-        for _ in bar:
+        bar = tqdm(initial=done, total=per_epoch, desc=f"epoch {epoch + 1}/{config.epochs}", disable=not progress,
+                   leave=False, miniters=1)  # advanced by hand: an iterating bar's count lags its postfix's redraws
+        for _ in range(done, per_epoch):
             torch.manual_seed(derive_seed(config.seed, "public", "step", run.optimizer.steps))  # dropout; not secret
             result = run.optimizer.step(run.data.train)
             epoch_nonfinite += result.nonfinite
@@ -494,11 +494,13 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
             if progress:
                 bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.4f}" if losses else "-",
                                 acc=f"{history[-1]['test_accuracy']:.4f}" if history else "-",
-                                eps=bar_epsilon(run.ledger, config.delta))
+                                eps=bar_epsilon(run.ledger, config.delta), refresh=False)
+                bar.update()
             if out is not None and every and steps % every == 0 and steps % per_epoch:  # epoch ends: below
                 save_checkpoint(out, _state(run, history, time.perf_counter() - start,
                                             time.process_time() - cpu_start, losses, epoch_nonfinite,
                                             epoch_clipped))
+        bar.close()
         if epoch_nonfinite and (parallel is None or parallel.lead):
             warnings.warn(f"{epoch_nonfinite} examples had non-finite gradients in epoch {epoch + 1}; "
                           "they contributed zero to the update", stacklevel=2)

@@ -322,12 +322,22 @@ def initial_state(config: TrainConfig) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in build_run(config, log=quiet).model.state_dict().items()}
 
 
+def test_the_statement_compares_delta_with_one_over_n():
+    """MNIST's 60,000 examples at the default delta 1e-5: 0.6 of 1/n, which "well below 1/n" did not flag."""
+    ledger = PrivacyLedger()
+    ledger.record(GaussianRelease(1.0, PoissonSampling(0.01), 100))
+    assert "delta is 0.014 times 1/n = 0.000696, well below it." in privacy_statement(ledger, 1e-5, 1437)
+    assert "delta is 0.6 times 1/n = 1.67e-05; the usual rule is delta well below 1/n (e.g. --delta 2e-06)." in \
+        privacy_statement(ledger, 1e-5, 60000)
+
+
 def test_privacy_statement_says_whether_the_noise_is_replayable():
     def statement(**mode) -> str:
         return train(TrainConfig(epochs=1, epsilon=2.0, **mode), progress=False, log=quiet)["privacy_statement"]
 
     default, seeded, secure = statement(), statement(secret_seed=1), statement(secure=True)
-    assert "secret key drawn from OS entropy, kept only in the run's checkpoint" in default
+    assert "secret key drawn from OS entropy, held in memory and, where the run has a folder, in its checkpoint alone" \
+        in default
     assert "REPLAYABLE" in seeded and "--secret-seed" in seeded and "REPLAYABLE" not in default
     assert "draw by draw" in secure and "REPLAYABLE" not in secure
 
@@ -345,10 +355,12 @@ def test_resume_refuses_changed_flags_and_extends_with_a_larger_epochs(tmp_path,
     first = json.loads((tmp_path / "run" / "metrics.json").read_text())
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
-        main(["train", "--resume", run, "--epochs", "2", "--lr", "0.3", "--algorithm", "dp-adam"])
+        main(["train", "--resume", run, "--epochs", "2", "--lr", "0.3", "--algorithm", "dp-adam",
+              "--physical-batch-size", "32"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1
-    assert "--algorithm dp-adam (the run has dp-sgd); --lr 0.3 (the run has 0.5)" in err
+    assert "--algorithm dp-adam (the run has dp-sgd); --lr 0.3 (the run has 0.5); --physical-batch-size 32 (the run " \
+           "has none given: the default)" in err
     reads = []
     for module in (sys.modules["dpopt.cli"], train_module):
         monkeypatch.setattr(module, "load_checkpoint", lambda d, read=module.load_checkpoint: reads.append(d) or read(d))
@@ -376,7 +388,13 @@ def test_an_existing_run_is_refused_unless_overwrite_and_out_is_checked_before_t
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         main(["train", "--epochs", "1", "--out", run])
-    assert e.value.code == 2 and "already holds a run (checkpoint.pt, metrics.json" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "already holds a run (checkpoint.pt, metrics.json" in err and "--resume" in err
+    (tmp_path / "run" / "checkpoint.pt").rename(tmp_path / "checkpoint.pt")  # as a federated run's folder: no checkpoint
+    with pytest.raises(SystemExit):
+        main(["train", "--epochs", "1", "--out", run])
+    err = capsys.readouterr().err
+    assert "already holds a run (metrics.json" in err and "--resume" not in err  # nothing there to resume
     assert main(["train", "--epochs", "1", "--out", run, "--overwrite", "--no-progress"]) == 0
     assert (tmp_path / "run" / "train.log").read_text().count("Privacy statement") == 1  # the old log went too
     capsys.readouterr()
@@ -475,20 +493,29 @@ def test_without_matplotlib_or_tensorboard_the_run_says_so(tmp_path, monkeypatch
 
 def test_the_progress_bar_shows_epsilon_spent_at_every_step(monkeypatch):
     """From the first step on (it showed 0 through the first epoch), labelled with its accountant: RDP, from
-    cached one-step curves (what dp-accounting's RdpAccountant gives), where RDP applies."""
-    postfixes = []
+    cached one-step curves (what dp-accounting's RdpAccountant gives), where RDP applies; the count drawn with it
+    is the step's (an iterating bar drew 0/11 through a digits epoch)."""
+    postfixes, counts = [], []
 
-    class Bar(list):
-        def __init__(self, iterable, **kwargs):
-            super().__init__(iterable)
+    class Bar:
+        def __init__(self, initial, total, **kwargs):
+            self.n = initial
 
-        def set_postfix(self, **kwargs):
+        def set_postfix(self, refresh=True, **kwargs):
             postfixes.append(kwargs)
+
+        def update(self):
+            self.n += 1
+            counts.append(self.n)
+
+        def close(self):
+            pass
 
     monkeypatch.setattr(train_module, "tqdm", Bar)
     m = train(TrainConfig(epochs=1, epsilon=2.0), progress=True, log=quiet)
     eps = [float(p["eps"].removesuffix(" (RDP)")) for p in postfixes]
     assert len(eps) == 11 and 0 < eps[0] < eps[-1] and all(a < b for a, b in zip(eps, eps[1:]))
+    assert counts == list(range(1, 12))
     z, q = m["noise_multiplier"], m["sample_rate"]
     accountant = dpa.rdp.RdpAccountant()
     accountant.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(z)), 11))
@@ -517,6 +544,9 @@ def test_the_privacy_statement_names_the_guarantee_first_and_never_a_bare_epsilo
     (["train", "--algoritm", "dp-sgd"], "did you mean '--algorithm'?"),
     (["trian"], "did you mean 'train'?"),
     (["reproduce", "crash_safty"], "did you mean 'crash_safety'?"),
+    (["train", "--model", "mpl"], "did you mean 'mlp'?"),
+    (["train", "--algorithm", "DP-SGD"], "did you mean 'dp-sgd'?"),
+    (["train", "--dataset", "MNIST"], "did you mean 'mnist'?"),
 ])
 def test_errors_are_short_with_did_you_mean(argv, hint, capsys):
     with pytest.raises(SystemExit) as e:

@@ -61,7 +61,7 @@ class Hyperparameters:
     A recipe reads the fields it needs; a new method adds its own fields here."""
 
     lr: float | StepRule = hyper(0.5, "learning rate")  # a StepRule: set by the run's length (for_run)
-    momentum: float = hyper(0.0, "SGD momentum (dp-sgd)")
+    momentum: float = hyper(0.0, "SGD momentum of the SGD-based recipes (dp-ftrl's default: 0.9)")
     weight_decay: float = hyper(0.0, "weight decay (decoupled for dp-adamw)")
     betas: tuple[float, float] = hyper((0.9, 0.999), "Adam betas")
     eps: float = hyper(1e-8, "Adam epsilon")

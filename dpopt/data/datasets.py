@@ -55,7 +55,7 @@ def data_roots() -> list[Path]:
     roots = [os.environ.get("DPOPT_DATA"), Path.home() / ".cache" / "dpopt", Path.cwd() / "data",
              Path.cwd().parent / "shared" / "data", Path(__file__).resolve().parents[3] / "shared" / "data",
              "/usr/share/datasets"]
-    return [Path(r) for r in roots if r]
+    return list(dict.fromkeys(Path(r) for r in roots if r))  # in order, once each (the working folder may be one)
 
 
 def _find(folder: str, files: list[str]) -> Path | None:

@@ -10,8 +10,8 @@ from dpopt.privacy.ledger import (CyclicPoissonSampling, FixedParticipation, Poi
 
 
 RANDOMNESS = {
-    "os-entropy-key": "Noise and batches came from a secret key drawn from OS entropy, kept only in the run's "
-                      "checkpoint (never in metrics.json or the exported model).",
+    "os-entropy-key": "Noise and batches came from a secret key drawn from OS entropy, held in memory and, where "
+                      "the run has a folder, in its checkpoint alone (never in metrics.json or the exported model).",
     "secret-seed": "REPLAYABLE noise: --secret-seed was given, so anyone who knows the secret seed can regenerate "
                    "and remove the noise; this guarantee holds only while that seed stays secret.",
     "secure": "Noise and batches were drawn from OS entropy draw by draw: nothing stored can reproduce them.",
@@ -47,7 +47,9 @@ def privacy_statement(ledger: PrivacyLedger, delta: float, dataset_size: int | N
             lines.append(f"  - {e.describe(unit)}.")
             continue
         part = e.participation
-        if isinstance(part, CyclicPoissonSampling):
+        if isinstance(part, CyclicPoissonSampling) and part.period == 1:
+            how = f"Poisson sampling at rate {part.rate:.4g} (cyclic, with one group: plain Poisson sampling)"
+        elif isinstance(part, CyclicPoissonSampling):
             how = (f"Poisson sampling at rate {part.rate:.4g} within {part.period} groups taken in turn (each {unit} "
                    f"in at most one of every {part.period} steps: {poisson_count(part, e.steps)} sampled releases)")
         elif isinstance(part, PoissonSampling):
@@ -57,7 +59,10 @@ def privacy_statement(ledger: PrivacyLedger, delta: float, dataset_size: int | N
             how = f"each {unit} in at most one of every {part.period} steps (no amplification assumed)"
         lines.append(f"  - {e.steps} Gaussian releases, noise multiplier {e.noise_multiplier:.4g}, {how}.")
     if dataset_size:
-        lines.append(f"  Training set size: {dataset_size}; delta should stay well below 1/n = {1 / dataset_size:.3g}.")
+        share = delta * dataset_size
+        lines.append(f"  Training set size: {dataset_size}; delta is {share:.2g} times 1/n = {1 / dataset_size:.3g}"
+                     + (", well below it." if share <= 0.1 else
+                        f"; the usual rule is delta well below 1/n (e.g. --delta {0.1 / dataset_size:.0e})."))
     lines.append(
         f"Meaning: for any {unit} and any set of outcomes S, P[run on D in S] <= e^{eps:.3g} P[run on D' in S] + {delta:.3g}"
         f" for neighbouring D, D'. The guarantee covers the released model and every intermediate iterate;"
