@@ -452,6 +452,7 @@ def _installed(systems: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    autocast_dtype(args.precision, resolve_device(args.device))  # bad input: one line, before anything is printed
     if args.suite or args.scaling:
         cases = [dataclasses.replace(c, threads=args.threads, device=args.device, precision=args.precision)
                  for c in (SUITE if args.suite else SCALING)]
@@ -463,7 +464,6 @@ def run(args: argparse.Namespace) -> int:
         systems = tuple(args.systems or _installed(DEFAULT_SYSTEMS))
     if any(s.startswith("opacus") for s in systems):
         require("opacus", "experiments", f"--systems {' '.join(s for s in systems if s.startswith('opacus'))}")
-    autocast_dtype(args.precision, resolve_device(args.device))  # bad input: one line, before any process starts
     print(method(args), file=sys.stderr if args.json else sys.stdout, flush=True)
     rows = []
     for case in cases:
