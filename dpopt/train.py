@@ -269,8 +269,10 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel:
         config = dataclasses.replace(config, batch_size=min(DEFAULT_BATCH, n))
     if config.sampling_kind == "cyclic" and not config.hp.bands:  # the config keeps the period the run uses
         config = dataclasses.replace(config, hp=dataclasses.replace(config.hp, bands=cyclic_period(config, n)))
-        log(f"cyclic sampling: period {config.hp.bands} (groups taken in turn, and the noise's bands), the least "
-            f"noise on the workload at epsilon {config.epsilon} (--bands sets it)")
+        period = config.hp.bands
+        log(f"cyclic sampling: period {period} " + ("(plain Poisson sampling, iid noise)" if period == 1 else
+                                                    "(groups taken in turn, and the noise's bands)")
+            + f", the least noise on the workload at epsilon {config.epsilon} (--bands sets it)")
     sampler = make_sampler(config.sampling_kind, n, config.batch_size, SecretStream(key, "sampling"), config.hp.bands)
     total = config.epochs * sampler.steps_per_epoch
     for name, rule in config.hp.rules().items():  # set by the run's length: the config keeps the value used
