@@ -213,8 +213,8 @@ FINE, COARSE = 1e-4, 1e-3
 GRID_POINTS = 1e6
 # A tiny target (an RDP bound under TINY) gets a step in proportion to it, the bound times RELATIVE_STEP, but at
 # least SMALLEST_STEP, under which dp-accounting's FFT composition was seen to lose precision. Without it a step of
-# 1e-4 rounded epsilon 1e-4 on digits up past every multiplier to 1e6; with it that target's multiplier is within
-# 1 % of the converged PLD's epsilon (tests/test_accounting.py).
+# 1e-4 rounded epsilon 1e-4 on digits up past every multiplier to 1e6; with it, the converged PLD puts the
+# multiplier found for that target within 1 % under it (tests/test_accounting.py).
 TINY, RELATIVE_STEP, SMALLEST_STEP = 0.1, 1e-5, 1e-8
 
 
