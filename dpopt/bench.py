@@ -456,12 +456,12 @@ def run(args: argparse.Namespace) -> int:
     if args.suite or args.scaling:
         cases = [dataclasses.replace(c, threads=args.threads, device=args.device, precision=args.precision)
                  for c in (SUITE if args.suite else SCALING)]
-        systems = tuple(args.systems or _installed(DEFAULT_SYSTEMS)) if args.suite else ("pytorch", "dpopt")
     else:
         workload = args.workload or DEFAULT_WORKLOAD
         cases = [Case(workload, args.batch or DEFAULT_BATCH[workload], args.seq, args.optimizer, args.rank,
                       args.threads, args.physical_batch_size, args.device, args.precision)]
-        systems = tuple(args.systems or _installed(DEFAULT_SYSTEMS))
+    scaling = args.scaling and not args.suite
+    systems = ("pytorch", "dpopt") if scaling else tuple(args.systems or _installed(DEFAULT_SYSTEMS))
     if any(s.startswith("opacus") for s in systems):
         require("opacus", "experiments", f"--systems {' '.join(s for s in systems if s.startswith('opacus'))}")
     print(method(args), file=sys.stderr if args.json else sys.stdout, flush=True)
