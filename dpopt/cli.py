@@ -30,7 +30,7 @@ from dpopt.noise.mechanisms import NOISES
 from dpopt.privacy import (AccountingError, CyclicPoissonSampling, FixedParticipation, GaussianRelease, PoissonSampling,
                            Relation, epsilon_of, noise_multiplier_for)
 from dpopt.report import CURVES, LOG, TENSORBOARD
-from dpopt.train import CALIBRATIONS, MODEL_DIR, TrainConfig, extended, resume, saved_steps_per_epoch, train
+from dpopt.run import CALIBRATIONS, MODEL_DIR, TrainConfig, extended, resume, saved_steps_per_epoch, train
 
 DEFAULT_EPSILON = 2.0
 RUN_FILES = (CHECKPOINT, "metrics.json", LOG, CURVES, TENSORBOARD, MODEL_DIR)  # what dpopt train writes in --out

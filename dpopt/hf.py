@@ -34,7 +34,7 @@ from transformers import Trainer
 from dpopt.algorithms import Hyperparameters
 from dpopt.algorithms.base import DPOptimizer
 from dpopt.checkpoint import write_atomic
-from dpopt.grad.engine import batch_size_of
+from dpopt.grad.batch import batch_size_of
 from dpopt.loop import load_private_state, make_private, private_state
 from dpopt.noise.rng import secret_key
 from dpopt.privacy import PrivacyLedger

@@ -44,7 +44,8 @@ from dpopt.algorithms.base import DPOptimizer
 from dpopt.clipping import Clipping
 from dpopt.data.samplers import PoissonSampler, take
 from dpopt.device import to_device
-from dpopt.grad.engine import Closure, LossFn, PerExampleEngine
+from dpopt.grad.batch import Closure, LossFn
+from dpopt.grad.engine import PerExampleEngine
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.rng import SecretStream, secret_key
 from dpopt.privacy import PrivacyLedger, noise_multiplier_for, privacy_statement

@@ -22,7 +22,9 @@ import torch
 
 from dpopt.data.datasets import labels_of
 from dpopt.data.samplers import take
-from dpopt.train import TrainConfig, build_model, classification_loss, load_dataset
+from dpopt.run import TrainConfig, classification_loss
+from dpopt.models import build_model
+from dpopt.data.datasets import load_dataset
 from experiments._report import write_table
 
 QUANTILES = torch.tensor([0.1, 0.5, 0.9])

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from dpopt.algorithms import Hyperparameters
-from dpopt.train import TrainConfig, train
+from dpopt.run import TrainConfig, train
 
 
 def main(argv: list[str]) -> int:

@@ -33,7 +33,7 @@ from dpopt.grad import PerExampleEngine
 from dpopt.noise import SecretStream, build_noise
 from dpopt.noise.correlated import CorrelatedNoise
 from dpopt.privacy import FixedOrderParticipation, PrivacyLedger, noise_multiplier_for, zcdp_noise_multiplier
-from dpopt.train import accuracy, classification_loss
+from dpopt.run import accuracy, classification_loss
 
 RESULTS = Path(__file__).resolve().parent / "results" / "correlated"
 DECAY = math.exp(-2.5)  # the paper's c (L470)

@@ -28,7 +28,7 @@ import torch
 from dpopt.algorithms import Hyperparameters
 from dpopt.checkpoint import load_checkpoint
 from dpopt.distributed import DataParallel, launch
-from dpopt.train import TrainConfig, train
+from dpopt.run import TrainConfig, train
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {

@@ -20,7 +20,7 @@ import torch
 
 from dpopt.data.datasets import labels_of, load_dataset
 from dpopt.device import add_device_arguments, resolve_device
-from dpopt.train import TrainConfig, train
+from dpopt.run import TrainConfig, train
 
 RECIPES = ["dp-sgd", "dp-adam", "dp-adamw", "disk-sgd", "disk-adam", "disk-adamw", "dp-grape", "disk-grape",
            "dp-galore", "dp-ftrl", "dp-memf", "dp-srg-memf", "accel-dp-srgd", "dp-srgd"]

@@ -27,7 +27,7 @@ from dpopt.data.datasets import DATASETS, Dataset, labels_of, load_dataset
 from dpopt.data.samplers import PoissonSampler
 from dpopt.noise.rng import SecretStream
 from dpopt.privacy import noise_multiplier_for
-from dpopt.train import TrainConfig, train
+from dpopt.run import TrainConfig, train
 
 BASES = {"sgd": Hyperparameters(lr=1.0, momentum=0.9), "adam": Hyperparameters(lr=2e-3)}
 LR_GRID = {("sgd", "flat"): [1.0, 2.0, 4.0, 8.0, 16.0], ("adam", "flat"): [2e-3, 4e-3, 8e-3, 1.6e-2],

@@ -33,7 +33,7 @@ import torch
 from dpopt.algorithms import Hyperparameters
 from dpopt.data.samplers import take
 from dpopt.noise.rng import derive_seed
-from dpopt.train import TrainConfig, accuracy, build_run
+from dpopt.run import TrainConfig, accuracy, build_run
 
 ZEROTH_ORDER = ("dpzero", "mezo")  # the rest (dp-grape, dp-adam) take the --grape-* settings
 PAPER = {"dpzero": {6.0: "92.2 ± 0.3", 2.0: "91.8 ± 0.1"}, "mezo": "92.5 ± 0.3", "zero-shot": "79.0"}  # SST-2

@@ -31,7 +31,7 @@ from dpopt.federated.partition import partition
 from dpopt.federated.problem import FlatLayout, ModelOracle, Problem
 from dpopt.federated.simulator import InProcessFederation
 from dpopt.noise.rng import derive_seed
-from dpopt.train import accuracy
+from dpopt.run import accuracy
 
 RATIOS = (0.1, 0.3, 1.0, 3.0, 10.0)
 METHODS = ("clip-sgd", "clip21-sgd", "clip21-sgd2m")

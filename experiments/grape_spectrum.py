@@ -33,7 +33,7 @@ from dpopt.grad.projection import engine_projectable
 from dpopt.models import build_model
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.rng import SecretStream
-from dpopt.train import classification_loss
+from dpopt.run import classification_loss
 
 SETTINGS = [(math.inf, 0.0), (1.0, 0.0), (1.0, 0.5), (1.0, 2.0)]
 CASES = {"vit-tiny-mnist": ("mnist", "vit-tiny", 8), "minilm-rotten-tomatoes": ("rotten-tomatoes-512", "minilm", 16)}

@@ -44,7 +44,7 @@ from dpopt import models
 from dpopt.algorithms import Hyperparameters
 from dpopt.data.datasets import DATASETS, Dataset
 from dpopt.noise.rng import derive_seed
-from dpopt.train import TrainConfig, accuracy, build_run, classification_loss
+from dpopt.run import TrainConfig, accuracy, build_run, classification_loss
 
 PROMPTS = ("This movie is terrible.", "This movie is great.")  # class 0 = rotten, class 1 = fresh
 PAPER = {  # RoBERTa-Large SST-2, Table 3 (L189-L202), mean ± s.e. over 3 seeds

@@ -27,7 +27,7 @@ import torch
 
 from dpopt.algorithms import Hyperparameters
 from dpopt.data.datasets import DATASETS, Dataset, load_dataset
-from dpopt.train import TrainConfig, train
+from dpopt.run import TrainConfig, train
 
 METHODS = ("dp-adam", "dp-grape", "dp-galore")
 PAPER = {  # ViT-Base pre-training from scratch, Table 6 (L348-L361): MNIST accuracy by eps

@@ -27,7 +27,7 @@ from dpopt.algorithms import Hyperparameters
 from dpopt.data.datasets import load_dataset
 from dpopt.models import build_model
 from dpopt.noise.rng import derive_seed
-from dpopt.train import TrainConfig, accuracy, freeze_all_but, train
+from dpopt.run import TrainConfig, accuracy, freeze_all_but, train
 
 DATASET, EPSILON, DELTA, PHYSICAL = "rotten-tomatoes-512", 3.0, 1e-5, 32
 METHODS = ("train", "trainer", "trainer-lora", "trainer-lora-grape")

@@ -21,7 +21,7 @@ import torch
 from dpopt.algorithms import NON_PRIVATE, Hyperparameters
 from dpopt.data import datasets
 from dpopt.data.datasets import DATASETS, Dataset
-from dpopt.train import TrainConfig, train
+from dpopt.run import TrainConfig, train
 
 CONFIG_KEYS = {"epochs": int, "batch_size": int, "clip": float}
 SPLIT = "digits-validation"

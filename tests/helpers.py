@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpopt.train import TrainConfig, train
+from dpopt.run import TrainConfig, train
 
 
 class Scaled(nn.Module):

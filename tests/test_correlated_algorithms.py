@@ -16,7 +16,7 @@ from dpopt.data.samplers import FixedOrderSampler
 from dpopt.grad import PerExampleEngine
 from dpopt.noise import SecretStream, build_noise
 from dpopt.privacy import AccountingError, PrivacyLedger
-from dpopt.train import TrainConfig, build_run, resume, train
+from dpopt.run import TrainConfig, build_run, resume, train
 from dpopt.transforms import AcceleratedSRG, KalmanFilter, RecursiveGradient
 from helpers import mlp_loss, quiet, train_keeping_epoch_one
 

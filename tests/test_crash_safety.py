@@ -10,10 +10,11 @@ import random
 import pytest
 import torch
 
-from dpopt import train as train_module
 from dpopt.algorithms import Hyperparameters
 from dpopt.checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, save_checkpoint
-from dpopt.train import TrainConfig, resume, train
+from dpopt.run import TrainConfig, resume, train
+from dpopt.run import loop as train_module
+from dpopt.run.state import checkpoint_state
 from helpers import quiet
 from experiments.crash_safety import after_kill, same_run, watch
 
@@ -101,4 +102,4 @@ def test_an_inconsistent_checkpoint_is_neither_written_nor_resumed(tmp_path):
     run = train_module.build_run(TINY, log=quiet)
     run.optimizer.steps = 1
     with pytest.raises(RuntimeError, match="refusing to checkpoint"):
-        train_module._state(run, [], 0.0, 0.0, [], 0)
+        checkpoint_state(run, [], 0.0, 0.0, [], 0)

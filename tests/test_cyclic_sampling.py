@@ -16,7 +16,7 @@ from dpopt.noise import factorizations as fz
 from dpopt.noise.mechanisms import amplified_bands
 from dpopt.privacy import (AccountingError, CyclicPoissonSampling, GaussianRelease, PoissonSampling, PrivacyLedger,
                            epsilon_of)
-from dpopt.train import TrainConfig, train
+from dpopt.run import TrainConfig, train
 
 
 @pytest.mark.parametrize("period", [1, 3, 8])

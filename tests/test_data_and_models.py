@@ -8,7 +8,7 @@ from torch import nn
 
 from dpopt.data import datasets
 from dpopt.models import IMAGE_MODELS, build_model
-from dpopt.train import TrainConfig, train
+from dpopt.run import TrainConfig, train
 from helpers import quiet
 
 
@@ -79,7 +79,8 @@ def test_a_sentence_classifier_mean_pools_over_the_real_tokens_only():
 def test_a_models_default_trainable_set_is_resolved_in_the_config_and_trains_only_it(monkeypatch):
     """A model may name the weights it trains by default (minilm: its head); the config holds the pattern, a
     given --trainable wins ('.' trains every weight), and the run freezes the rest and says whose default it is."""
-    from dpopt import models, train as train_module
+    from dpopt import models
+    from dpopt.run import build_run
 
     assert TrainConfig(model="minilm").trainable == models.MODEL_TRAINABLE["minilm"] == r"^head\."
     assert TrainConfig(model="minilm", trainable=".").trainable == "."
@@ -89,8 +90,8 @@ def test_a_models_default_trainable_set_is_resolved_in_the_config_and_trains_onl
     monkeypatch.setitem(models.MODEL_TRAINABLE, "mlp", r"^3\.")
     lines: list[str] = []
     config = TrainConfig(model="mlp", epochs=1, epsilon=2.0, secret_seed=0)
-    run = train_module.build_run(config, log=lines.append)
+    run = build_run(config, log=lines.append)
     assert any("mlp's default; --trainable . trains every weight" in line for line in lines)
     assert [n for n, p in run.model.named_parameters() if p.requires_grad] == ["3.weight", "3.bias"]
-    everything = train_module.build_run(TrainConfig(model="mlp", epochs=1, epsilon=2.0, trainable="."), log=quiet)
+    everything = build_run(TrainConfig(model="mlp", epochs=1, epsilon=2.0, trainable="."), log=quiet)
     assert all(p.requires_grad for p in everything.model.parameters())

@@ -11,7 +11,7 @@ import torch
 from dpopt.algorithms import DEFAULTS, Hyperparameters
 from dpopt.cli import main, parser
 from dpopt.data.datasets import DATASET_EPOCHS, DATASET_MODEL, DEFAULT_EPOCHS, DEFAULT_MODEL
-from dpopt.train import TrainConfig, chance_warning, train
+from dpopt.run import TrainConfig, chance_warning, train
 from helpers import quiet
 
 # ``dpopt train --algorithm A --dataset digits --epsilon 2`` with every other flag at its default must reach these

@@ -15,7 +15,7 @@ from dpopt.grad.engine import PerExampleEngine
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.rng import SecretStream, derive_seed
 from dpopt.privacy import PrivacyLedger
-from dpopt.train import TrainConfig, train
+from dpopt.run import TrainConfig, train
 from tests.helpers import Zoo, quiet, zoo_batch, zoo_loss
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

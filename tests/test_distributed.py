@@ -20,7 +20,7 @@ from dpopt.privacy import PrivacyLedger
 from dpopt.cli import main
 from dpopt import distributed
 from dpopt.distributed import DataParallel, device_types, launch
-from dpopt.train import TrainConfig, train
+from dpopt.run import TrainConfig, train
 
 BASE = dict(model="mlp", epochs=1, noise_multiplier=1.0, accountant="rdp", secret_seed=0)  # one run, twice
 CONFIGS = {

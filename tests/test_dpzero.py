@@ -21,7 +21,7 @@ from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.rng import SecretStream
 from dpopt.privacy import (FixedParticipation, GaussianRelease, PrivacyLedger, advanced_composition_noise,
                            epsilon_of, privacy_statement)
-from dpopt.train import TrainConfig, resume, train
+from dpopt.run import TrainConfig, resume, train
 from helpers import train_keeping_epoch_one
 
 F64 = torch.float64

@@ -7,7 +7,7 @@ from torch import nn
 
 from dpopt.clipping import Clipping
 from dpopt.grad import ExampleMixingError, PerExampleEngine, captures, check_per_example
-from dpopt.grad import engine as engine_module
+from dpopt.grad import gradients as gradients_module
 from dpopt.models import freeze_batchnorm, replace_batchnorm
 from helpers import Zoo, mlp_loss, zoo_batch, zoo_loss
 
@@ -52,7 +52,7 @@ def test_clipped_sum_weighs_chunks_of_examples_to_the_two_pass_sum(mode, monkeyp
     """The clip stage's one pass (convolution gradients materialised a chunk of examples at a time, weighed
     and summed at once) gives the sums of the two-pass route (all norms, then one weighted sum), for one
     point and for a two-point combination."""
-    monkeypatch.setattr(engine_module, "chunks", lambda batch, per_example, device, at_least=1: [
+    monkeypatch.setattr(gradients_module, "chunks", lambda batch, per_example, device, at_least=1: [
         slice(i, i + 1) for i in range(batch)])
     model, batch = Zoo(), zoo_batch(7)
     engine = PerExampleEngine(model, zoo_loss)
@@ -90,8 +90,8 @@ def test_an_accelerator_forms_the_clip_stage_in_larger_chunks_than_a_cpu():
     assert len(split) > 1 and len(whole) == 1
     # the one-pass clip of materialised parameters takes at least DIRECT_ROWS examples a chunk (vit-tiny's
     # two-point step asks 2^19 elements an example: 2 examples a chunk without the floor)
-    floored = captures.chunks(1024, 1 << 19, cpu, engine_module.DIRECT_ROWS)
-    assert len(captures.chunks(1024, 1 << 19, cpu)) == 512 and len(floored) == 1024 // engine_module.DIRECT_ROWS
+    floored = captures.chunks(1024, 1 << 19, cpu, gradients_module.DIRECT_ROWS)
+    assert len(captures.chunks(1024, 1 << 19, cpu)) == 512 and len(floored) == 1024 // gradients_module.DIRECT_ROWS
     for parts in (split, whole, floored):
         assert [i for s in parts for i in range(s.start, s.stop)] == list(range(1024))
 

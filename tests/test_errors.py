@@ -13,7 +13,7 @@ from helpers import mlp_loss, quiet
 from torch import nn
 
 from dpopt import extras
-from dpopt import train as train_module
+from dpopt.run import build as train_module
 from dpopt.algorithms import Hyperparameters
 from dpopt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from dpopt.cli import main
@@ -21,12 +21,13 @@ from dpopt.clipping import Clipping
 from dpopt.data import tabular
 from dpopt.data.datasets import Dataset, load_dataset
 from dpopt.data.samplers import PoissonSampler
-from dpopt.grad.engine import ExampleMixingError, PerExampleEngine, batch_size_of
+from dpopt.grad import ExampleMixingError, PerExampleEngine, batch_size_of
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.mechanisms import MAX_DENSE_STEPS, build_noise
 from dpopt.noise.rng import SecretStream
 from dpopt.privacy import PoissonSampling, PrivacyLedger, Relation, noise_multiplier_for
-from dpopt.train import TrainConfig, resume, run_noise_kind, train
+from dpopt.run import TrainConfig, resume, train
+from dpopt.plan import run_noise_kind
 
 
 def refused(message: str, **fields) -> None:

@@ -25,7 +25,7 @@ from dpopt.federated.simulator import ClientFailure, InProcessFederation, run_in
 from dpopt.models import build_model
 from dpopt.noise.rng import secret_key
 from dpopt.privacy import PrivacyLedger
-from dpopt.train import accuracy
+from dpopt.run import accuracy
 
 # ------------------------------------------------------------------------------------------ a tiny problem
 

@@ -15,7 +15,7 @@ from dpopt.checkpoint import CHECKPOINT, load_checkpoint  # noqa: E402
 from dpopt.cli import main  # noqa: E402
 from dpopt.data.datasets import load_dataset  # noqa: E402
 from dpopt.data.text import MAX_LENGTH  # noqa: E402
-from dpopt.train import TrainConfig, build_run, train  # noqa: E402
+from dpopt.run import TrainConfig, build_run, train  # noqa: E402
 
 WORDS = {"pos": ["good", "great", "fun", "moving"], "neg": ["bad", "awful", "boring", "dull"],
          "filler": ["the", "a", "movie", "plot", "film", "story"]}

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from dpopt.algorithms import Hyperparameters
-from dpopt import train as train_module
-from dpopt.train import TrainConfig, build_run
+from dpopt.run import build as train_module
+from dpopt.run import TrainConfig, build_run
 
 FAMILIES = {  # algorithm: hyper-parameters that make its special statistic active from the first steps
     "dp-sgd": {}, "dp-adam": {}, "disk-sgd": {"gamma": 0.1}, "dp-grape": {"rank": 4}, "dpzero": {},

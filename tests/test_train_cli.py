@@ -20,10 +20,10 @@ from dpopt.noise.rng import SecretStream
 from dpopt.privacy import (FixedOrderParticipation, FixedParticipation, GaussianRelease, PoissonSampling, epsilon_of,
                            noise_multiplier_for)
 from dpopt import report
-from dpopt import train as train_module
+from dpopt.run import loop as train_module
 from dpopt.privacy import PrivacyLedger
 from dpopt.privacy.statement import privacy_statement
-from dpopt.train import TrainConfig, bar_epsilon, extended, resume, train
+from dpopt.run import TrainConfig, bar_epsilon, extended, resume, train
 from helpers import quiet, train_keeping_epoch_one
 
 QUICK = dict(epochs=2, batch_size=128, epsilon=2.0)
@@ -317,7 +317,7 @@ def test_trainable_trains_only_the_matching_parameters(tmp_path, algorithm):
 
 def initial_state(config: TrainConfig) -> dict[str, torch.Tensor]:
     """The model a run starts from (built under the run's public init seed)."""
-    from dpopt.train import build_run
+    from dpopt.run import build_run
 
     return {k: v.clone() for k, v in build_run(config, log=quiet).model.state_dict().items()}
 

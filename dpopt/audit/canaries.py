@@ -33,7 +33,8 @@ from dpopt.algorithms import Privatizer, build_algorithm
 from dpopt.audit.auditor import (AuditSpec, Observation, poisson_gaussian_llr, poisson_privatizer, record_releases,
                                  register_audit)
 from dpopt.device import resolve_device
-from dpopt.grad.engine import LossFn, PerExampleEngine
+from dpopt.grad.batch import LossFn
+from dpopt.grad.engine import PerExampleEngine
 
 
 class GaussianCanaries:

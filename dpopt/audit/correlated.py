@@ -18,7 +18,8 @@ from dpopt.clipping import Clipping
 from dpopt.data.samplers import CyclicPoissonSampler, FixedOrderSampler
 from dpopt.noise.rng import SecretStream, secret_key
 from dpopt.privacy import PrivacyLedger
-from dpopt.train import TrainConfig, build_run_noise
+from dpopt.run import TrainConfig
+from dpopt.plan import build_run_noise
 
 COVARIANCE_DRAWS = 200_000
 

@@ -22,7 +22,7 @@ from dpopt.federated.privacy import CALIBRATIONS
 from dpopt.federated.rules import ALGORITHMS, CLIP_MODES
 from dpopt.federated.simulator import ClientFailure, run_inprocess, save_outputs
 from dpopt.models import MODELS
-from dpopt.train import MODEL_DIR
+from dpopt.run import MODEL_DIR
 
 RUNTIMES = ("simulation", "deployment")
 RUN_FILES = ("metrics.json", MODEL_DIR)  # what a run writes in --out

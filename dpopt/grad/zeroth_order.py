@@ -30,7 +30,8 @@ import torch
 
 from dpopt.clipping import PerExampleStatistic
 from dpopt.device import rng_state, set_rng_state
-from dpopt.grad.engine import PerExampleEngine, batch_size_of
+from dpopt.grad.batch import batch_size_of
+from dpopt.grad.engine import PerExampleEngine
 from dpopt.noise.rng import public_generator
 from dpopt.transforms.base import Transform
 

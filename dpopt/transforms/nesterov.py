@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from dpopt.grad.engine import PerExampleEngine, PerExampleGradients
+from dpopt.grad.engine import PerExampleEngine
+from dpopt.grad.gradients import PerExampleGradients
 
 
 def _project(v: list[torch.Tensor], center: list[torch.Tensor], radius: float) -> None:

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from dpopt.grad.engine import PerExampleEngine, PerExampleGradients
+from dpopt.grad.engine import PerExampleEngine
+from dpopt.grad.gradients import PerExampleGradients
 from dpopt.transforms.base import Transform
 
 

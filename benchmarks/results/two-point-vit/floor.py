@@ -5,7 +5,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-import dpopt.grad.engine as engine
+import dpopt.grad.gradients as engine
 from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
 from dpopt.clipping import Clipping
 from dpopt.data.datasets import Dataset

@@ -2,7 +2,7 @@
 standin.py dp-sgd accel-dp-srgd` (secret seed 0, epsilon 2); output: standin.txt."""
 import sys, json, time, torch
 torch.set_num_threads(1)
-from dpopt.train import TrainConfig, train
+from dpopt.run import TrainConfig, train
 from dpopt.algorithms.registry import Hyperparameters
 def run(alg, seed=0, **hp):
     t = time.process_time()

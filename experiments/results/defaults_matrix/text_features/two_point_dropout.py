@@ -5,7 +5,7 @@ import torch
 torch.set_num_threads(1)
 from dpopt.data.datasets import load_dataset
 from dpopt.models import build_model
-from dpopt.train import classification_loss, freeze_all_but
+from dpopt.run import classification_loss, freeze_all_but
 from dpopt.grad import PerExampleEngine
 from dpopt.data.samplers import take
 data = load_dataset("rotten-tomatoes-512")

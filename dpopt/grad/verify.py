@@ -1,0 +1,174 @@
+"""What is checked before the first release: that no module mixes the examples of a batch, that no parameter
+is used where the hooks cannot see it, and that the engine's per-example gradients match one backward per
+example. Any failure refuses DP training: per-example clipping would not bound an example's influence."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from dpopt.device import rng_state, set_rng_state
+from dpopt.grad.batch import LossFn, batch_size_of
+
+if TYPE_CHECKING:
+    from dpopt.grad.engine import PerExampleEngine
+
+# Modules whose training-mode forward mixes the examples of a batch, or stores batch statistics.
+_MIXING = (nn.modules.batchnorm._BatchNorm,)
+
+
+class ExampleMixingError(ValueError):
+    """The model lets one example influence another's output: per-example clipping would not bound
+    that example's influence, so DP training is refused."""
+
+
+def check_no_mixing(model: nn.Module) -> None:
+    """Refuse a module that computes batch statistics in training (or trains its affine parameters)."""
+    for name, m in model.named_modules():
+        if isinstance(m, _MIXING) and (m.training or any(p.requires_grad for p in m.parameters(recurse=False))):
+            raise ExampleMixingError(
+                f"layer {name or '<root>'!r} ({type(m).__name__}) computes batch statistics, so one example "
+                "changes the others' outputs and per-example clipping cannot bound its influence. Replace "
+                "it with GroupNorm (dpopt.models.replace_batchnorm(model)) or freeze it "
+                "(dpopt.models.freeze_batchnorm(model)).")
+
+def check_attribution(engine: PerExampleEngine, batch: Any, examples: int = 3, rtol: float = 1e-3) -> None:
+    """Refuse a model or loss that mixes examples (``check_per_example``) or uses a parameter where no
+    hook sees it (``check_uses``), then compare the engine's per-example gradients on the first
+    ``examples`` (at least 3) examples of ``batch`` with one autograd backward per example (in eval mode,
+    so dropout cannot differ). A mismatch means some layer's gradient was attributed to the wrong
+    example, which would void the clipping bound. Reads the batch, releases nothing."""
+    size = batch_size_of(batch)
+    if not 3 <= examples <= size:
+        raise ValueError(f"attribution is verified on at least 3 examples, and the batch holds {size} "
+                         f"for {examples} to compare")
+    leaves, spec = tree_flatten(batch)
+    pick = lambda idx: tree_unflatten([t[idx] if isinstance(t, torch.Tensor) and t.dim() > 0  # noqa: E731
+                                       and t.shape[0] == size else t for t in leaves], spec)
+    check_per_example(engine.model, engine.loss_fn, pick(slice(0, max(examples, min(8, size)))))
+    was_training, projection, precision = engine.model.training, engine.projection, engine.precision
+    engine.model.eval()
+    engine.projection = None  # attribution is checked on the unprojected gradients, in full precision
+    engine.precision = "fp32"
+    try:
+        if engine.mode == "hooks":
+            check_uses(engine, pick(slice(0, examples)))
+        got = engine.gradients(pick(slice(0, examples))).materialize()
+        for i in range(examples):
+            grads = torch.autograd.grad(engine.loss_fn(engine.model, pick(slice(i, i + 1))).sum(), engine.params,
+                                        allow_unused=True)
+            ref = [torch.zeros_like(p) if g is None else g for p, g in zip(engine.params, grads)]
+            if not all(torch.isfinite(r).all() for r in ref):  # non-finite: the clip stage gives it weight 0
+                continue
+            total = float(torch.cat([r.flatten() for r in ref]).norm())
+            errors = [float((g[i] - r).norm()) for g, r in zip(got, ref)]
+            if not sum(e * e for e in errors) ** 0.5 <= rtol * total + 1e-6:
+                j = max(range(len(errors)), key=errors.__getitem__)
+                raise ExampleMixingError(
+                    f"the per-example gradients of {engine._layers(j)} do not match single-example backward "
+                    f"passes (parameter {engine.names[j]!r}, relative error {errors[j] / max(total, 1e-12):.2e}): "
+                    "this layer's batch dimension is not dimension 0 of its input (sequence-first inputs, "
+                    "rows in sequence-major order, a table shared by the batch such as wpe(torch.arange(T)) "
+                    "or a [1, T, d] buffer), so its gradient cannot be attributed to examples. Keep every "
+                    "layer's batch dimension first, or use mode='vmap'.")
+    finally:
+        engine.model.train(was_training)
+        engine.projection, engine.precision = projection, precision
+
+@torch.no_grad()
+def check_uses(engine: PerExampleEngine, batch: Any) -> None:
+    """Refuse a parameter that an operation uses outside the forward of every layer capturing it (weight
+    tying written as ``F.linear(h, engine.emb.weight)``): the hooks would miss that use of it."""
+    owners = {id(p): {id(u.module) for u in engine.units if i in u.params.values()}
+              for i, p in enumerate(engine.params)}
+    running: list[tuple[str, nn.Module]] = []
+
+    class Uses(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            if any(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]):
+                for t in tree_flatten((args, kwargs))[0]:
+                    mods = owners.get(id(t))
+                    if mods is not None and not any(id(m) in mods for _, m in running):
+                        j = engine._index[id(t)]
+                        user = (f"layer {running[-1][0] or '<root>'!r} ({type(running[-1][1]).__name__})"
+                                if running else "the loss function")
+                        raise ExampleMixingError(
+                            f"{user} uses parameter {engine.names[j]!r} of {engine._layers(j)} outside that "
+                            "layer's forward, where the engine's hooks cannot see it (weight tying written as "
+                            "F.linear(h, engine.emb.weight), say). Share the parameter with a layer instead "
+                            "(head.weight = emb.weight, then call head), or use mode='vmap'.")
+            return out
+
+    def leave(*_: Any) -> None:
+        running.pop()
+
+    handles = [h for name, m in engine.model.named_modules()
+               for h in (m.register_forward_pre_hook(lambda m, a, name=name: running.append((name, m))),
+                         m.register_forward_hook(leave))]
+    try:
+        with Uses():
+            engine.loss_fn(engine.model, batch)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def check_per_example(model: nn.Module, loss_fn: LossFn, batch: Any) -> None:
+    """Refuse a model (or loss) under which one example changes another example's loss: evaluate the
+    batch twice, the second time with example 0 replaced by example 1, under the same random state. On a
+    difference, the first module (in the order outputs are computed) whose output for the untouched
+    examples changed is named; if none did, the loss itself mixes the examples."""
+    b = batch_size_of(batch)
+    if b < 3:
+        raise ValueError(f"checking that examples do not mix needs at least 3 examples, got {b}")
+    leaves, spec = tree_flatten(batch)
+    swapped = tree_unflatten([torch.cat([t[1:2], t[1:]]) if isinstance(t, torch.Tensor) and t.dim() > 0
+                              and t.shape[0] == b else t for t in leaves], spec)
+    outputs: list[list[tuple[str, torch.Tensor]]] = [[], []]
+
+    def record(name: str, run: list[tuple[str, torch.Tensor]]):
+        def hook(module: nn.Module, args: tuple, out: Any) -> None:
+            if isinstance(out, torch.Tensor) and out.dim() > 0 and out.shape[0] == b and out.is_floating_point():
+                run.append((f"{name or '<root>'!r} ({type(module).__name__})", out[2:].detach().clone()))
+        return hook
+
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    state = rng_state(device)
+    losses = []
+    for run, data in zip(outputs, (batch, swapped)):
+        handles = [m.register_forward_hook(record(n, run)) for n, m in model.named_modules()]
+        try:
+            set_rng_state(state, device)
+            losses.append(loss_fn(model, data))
+        finally:
+            for h in handles:
+                h.remove()
+    first, second = losses
+    if not isinstance(first, torch.Tensor) or first.shape != (b,):
+        raise ValueError(f"the loss function must return one loss per example, shape ({b},)")
+    if _close(first[2:], second[2:]):
+        return
+    for (layer, a), (_, c) in zip(*outputs):
+        if a.shape != c.shape or not _close(a, c):
+            raise ExampleMixingError(
+                f"layer {layer} lets one example change the outputs of other examples in the batch (batch "
+                "statistics or another reduction over the batch dimension), so per-example clipping cannot bound "
+                "one example's influence. Compute it per example: e.g. GroupNorm or LayerNorm instead of batch "
+                "statistics (dpopt.models.replace_batchnorm), or reduce over dimensions other than the batch.")
+    raise ExampleMixingError(
+        "changing one example changed the loss of other examples, and no layer's (batch-first) output did: the "
+        "loss function mixes examples within a batch (a loss normalised over the batch, say), so per-example "
+        "clipping cannot bound one example's influence. Return one loss per example computed from that example "
+        "alone.")
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal up to float noise; non-finite entries (examples with non-finite losses) compare as equal."""
+    scale = a.abs().nan_to_num(0.0, 0.0, 0.0).max().clamp_min(1e-6) if a.numel() else 1.0
+    return bool(torch.allclose(a, b, rtol=1e-4, atol=1e-5 * float(scale), equal_nan=True))

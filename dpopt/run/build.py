@@ -1,0 +1,112 @@
+"""A run built from its config: data, model, engine, sampler, the privacy plan and the optimizer."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from dpopt.algorithms import DPOptimizer, Privatizer, build_algorithm
+from dpopt.clipping import Clipping
+from dpopt.data.datasets import DATASET_MODEL, Dataset, load_dataset
+from dpopt.data.samplers import make_sampler, take
+from dpopt.device import resolve_device, to_device
+from dpopt.distributed import DataParallel
+from dpopt.grad.engine import PerExampleEngine
+from dpopt.grad.verify import check_per_example
+from dpopt.models import MODEL_TRAINABLE, build_model, hf_folder
+from dpopt.noise.rng import SecretStream, derive_seed, secret_key
+from dpopt.plan import build_run_noise, cyclic_period
+from dpopt.privacy import PrivacyLedger
+from dpopt.run.config import DEFAULT_BATCH, DEFAULT_PHYSICAL_BATCH, TrainConfig
+from dpopt.run.task import classification_loss
+
+
+@dataclass
+class Run:
+    """Everything a run is made of, built from its config."""
+
+    config: TrainConfig
+    data: Dataset
+    model: nn.Module
+    optimizer: DPOptimizer
+    sampler: Any
+    ledger: PrivacyLedger
+    total_steps: int
+    secret_key: int | bytes | None  # private: the checkpoint holds it, nothing else may
+
+
+def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel: DataParallel | None = None,
+              key: int | bytes | None = None) -> Run:
+    """The run of ``config``; ``key`` is its secret key when resuming (None: a new one, see ``secret_key``)."""
+    config.validate()
+    data = load_dataset(config.dataset, config.download, config.text_column, config.label_column,
+                        hf_folder(config.model))
+    if data.note is not None:
+        log(data.note)
+    n = len(data)
+    if config.delta >= 1.0 / n:
+        warnings.warn(f"delta = {config.delta:g} is not below 1/n = {1 / n:.3g}: such a guarantee allows "
+                      "releasing an example outright; use delta << 1/n", stacklevel=2)
+    torch.manual_seed(derive_seed(config.seed, "public", "init"))
+    device = resolve_device(config.device)
+    if DATASET_MODEL.get(config.dataset) == config.model:
+        log(f"model: {config.model} ({config.dataset}'s default; --model sets it)")
+    model = build_model(config.model, data).to(device)
+    model.train()  # from step 0 (from_pretrained returns eval mode), as the HF Trainer and Opacus train
+    if config.trainable is not None:
+        default = config.trainable == MODEL_TRAINABLE.get(config.model)
+        log(freeze_all_but(model, config.trainable)
+            + (f" ({config.model}'s default; --trainable . trains every weight)" if default else ""))
+    engine = PerExampleEngine(model, classification_loss, config.per_example, config.strategy, config.precision)
+    engine.check_no_mixing()
+    check_per_example(model, classification_loss, to_device(take(data.train, torch.arange(min(8, n))), device))
+
+    if config.secure:
+        key = None
+    elif key is None:
+        key = secret_key(config.secret_seed)
+    if config.batch_size is None:  # the config keeps the value the run uses
+        config = dataclasses.replace(config, batch_size=min(DEFAULT_BATCH, n))
+    if config.sampling_kind == "cyclic" and not config.hp.bands:  # the config keeps the period the run uses
+        config = dataclasses.replace(config, hp=dataclasses.replace(config.hp, bands=cyclic_period(config, n)))
+        period = config.hp.bands
+        log(f"cyclic sampling: period {period} " + ("(plain Poisson sampling, iid noise)" if period == 1 else
+                                                    "(groups taken in turn, and the noise's bands)")
+            + f", the least noise on the workload at epsilon {config.epsilon} (--bands sets it)")
+    sampler = make_sampler(config.sampling_kind, n, config.batch_size, SecretStream(key, "sampling"), config.hp.bands)
+    total = config.epochs * sampler.steps_per_epoch
+    for name, rule in config.hp.rules().items():  # set by the run's length: the config keeps the value used
+        flag = "--" + name.replace("_", "-")
+        log(f"{config.algorithm}: {name} = {rule} = {rule(total):.3g} over {total} steps "
+            f"(its default depends on the run's length; {flag} sets it)")
+    config = dataclasses.replace(config, hp=config.hp.for_run(total))
+    clipping = Clipping(config.clip, config.clipping)
+    ledger = PrivacyLedger(config.relation, config.accountant)
+    noise = build_run_noise(config, sampler, total, clipping.sensitivity, SecretStream(key, "noise"), log)
+    privatizer = Privatizer(clipping, noise, sampler, ledger, parallel)
+    physical = min(DEFAULT_PHYSICAL_BATCH, n) if config.physical_batch_size is None else config.physical_batch_size
+    if physical > n:
+        raise ValueError(f"the physical batch size ({physical}) exceeds the {n} training examples")
+    optimizer = build_algorithm(config.algorithm, engine, privatizer, config.hp, physical)
+    return Run(config, data, model, optimizer, sampler, ledger, total, key)
+
+
+def freeze_all_but(model: nn.Module, pattern: str) -> str:
+    """Train only the parameters whose names match ``pattern`` (``re.search``); freeze the rest. The frozen
+    ones never see the data, so the privacy guarantee covers exactly what is trained."""
+    names = [n for n, _ in model.named_parameters()]
+    chosen = [n for n in names if re.search(pattern, n)]
+    if not chosen:
+        raise ValueError(f"trainable {pattern!r} matches no parameter of the model; its parameters are named "
+                         f"{', '.join(names[:6])}{', ...' if len(names) > 6 else ''}")
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in chosen)
+    kept = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return f"training {len(chosen)} of {len(names)} parameter tensors ({kept:,} of " \
+           f"{sum(p.numel() for p in model.parameters()):,} numbers) matching {pattern!r}"

@@ -1,0 +1,159 @@
+"""A run's configuration: ``TrainConfig``, the frozen record of every choice a run makes (saved with its
+checkpoints), and its validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from dpopt.algorithms import ALGORITHMS, DEFAULT_NOISE, DEFAULT_SAMPLING, NON_PRIVATE, Hyperparameters, StepRule
+from dpopt.algorithms.base import check_physical_batch_size
+from dpopt.clipping import Clipping
+from dpopt.data.datasets import DATASETS, check_dataset, default_epochs, default_model
+from dpopt.data.samplers import SAMPLINGS
+from dpopt.device import autocast_dtype, resolve_device
+from dpopt.grad.engine import MODES, STRATEGIES
+from dpopt.models import MODEL_TRAINABLE, check_model, hf_folder
+from dpopt.noise.mechanisms import NOISES
+from dpopt.privacy import Relation, check_budget
+from dpopt.privacy.ledger import ACCOUNTANTS
+
+
+CALIBRATIONS = ("accountant", "advanced-composition")
+DEFAULT_BATCH = 128  # expected examples per logical batch unless a run says otherwise (or the whole set if smaller)
+# Examples per forward/backward unless a run says otherwise: a logical batch of at most this many is one pass.
+DEFAULT_PHYSICAL_BATCH = 256
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    algorithm: str = "dp-sgd"
+    dataset: str = "digits"  # a built-in name, or a CSV, JSONL or Parquet file or save_to_disk folder
+    model: str | None = None  # a built-in name, hf:PATH (a save_pretrained folder) or module:function; None: the
+    # dataset's default (default_model), set at construction
+    text_column: str = "text"  # the columns of a dataset file
+    label_column: str = "label"
+    epsilon: float | None = None
+    delta: float = 1e-5
+    noise_multiplier: float | None = None
+    epochs: int | None = None  # None: the dataset's default (default_epochs), set at construction
+    calibration_epochs: int | None = None  # epochs --epsilon calibrated the noise for (None: epochs; see extended)
+    batch_size: int | None = None  # None: DEFAULT_BATCH, or the whole training set if smaller (set by build_run)
+    clip: float = 1.0
+    clipping: str = "flat"
+    seed: int = 0  # public: initialisation, projections, directions, dropout; never the secret streams
+    secret_seed: int | None = None  # replayable noise (reproductions, tests); None: a fresh OS-entropy key
+    secure: bool = False  # every secret draw from OS entropy, no key stored anywhere (resume is not exact)
+    sampling: str = "auto"  # the recipe's (DEFAULT_SAMPLING) with its own noise and an epsilon; else poisson for iid
+    # noise, fixed for correlated noise
+    noise: str = "auto"  # the recipe's mechanism (DEFAULT_NOISE)
+    accountant: str = "pld"
+    relation: str = "add-remove"
+    per_example: str = "hooks"
+    strategy: str = "auto"
+    download: bool = False
+    physical_batch_size: int | None = None  # examples per forward/backward; None: DEFAULT_PHYSICAL_BATCH (or all)
+    device: str = "cpu"  # cpu, cuda, mps or auto (cuda, else mps, else cpu)
+    precision: str = "fp32"  # fp32, bf16 or fp16 (CUDA): autocast forward/backward, float32 weights, sums, noise
+    checkpoint_every: int = 0  # also checkpoint after every N-th step within an epoch (0: at epoch ends only)
+    trainable: str | None = None  # regular expression: train only the parameters whose names it matches (None:
+    # the model's default, MODEL_TRAINABLE, set at construction; every weight where it has none)
+    calibration: str = "accountant"  # or "advanced-composition" (DPZero Lemma 2.2: loose, for faithful reproductions)
+    hp: Hyperparameters | None = None  # None: the algorithm's defaults (Hyperparameters.for_algorithm)
+
+    def __post_init__(self) -> None:
+        if self.hp is None:  # resolved here, so the config (and the checkpoint) holds the values the run uses
+            object.__setattr__(self, "hp", Hyperparameters.for_algorithm(self.algorithm))
+        if self.epochs is None:
+            object.__setattr__(self, "epochs", default_epochs(self.dataset))
+        if self.model is None:
+            object.__setattr__(self, "model", default_model(self.dataset))
+        if self.trainable is None:
+            object.__setattr__(self, "trainable", MODEL_TRAINABLE.get(self.model))
+
+    def validate(self) -> None:
+        check_dataset(self.dataset)
+        check_model(self.model)
+        if hf_folder(self.model) is not None and self.dataset in DATASETS:
+            raise ValueError(f"model {self.model!r} tokenizes its text itself and takes a dataset file "
+                             f"(CSV, JSONL, Parquet, save_to_disk), not the built-in {self.dataset!r}")
+        for name, known in [("algorithm", ALGORITHMS), ("sampling", ("auto", *SAMPLINGS)), ("noise", ("auto", *NOISES)),
+                            ("per_example", MODES), ("strategy", STRATEGIES), ("accountant", ACCOUNTANTS)]:
+            if getattr(self, name) not in known:
+                raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(sorted(known))}")
+        if self.algorithm in NON_PRIVATE:
+            if self.epsilon is not None or self.noise_multiplier not in (None, 0.0):
+                raise ValueError(f"{self.algorithm} is not differentially private (no clipping, no noise), so it "
+                                 "takes no epsilon or noise multiplier: omit them (the run reports epsilon = inf) "
+                                 "or use a private algorithm such as dpzero")
+        elif (self.epsilon is None) == (self.noise_multiplier is None):
+            raise ValueError("give exactly one of epsilon (the noise is calibrated to it) or noise_multiplier")
+        elif self.epsilon is not None:
+            check_budget(self.epsilon, self.delta)
+        elif not (math.isfinite(self.noise_multiplier) and self.noise_multiplier > 0):
+            raise ValueError(f"noise multiplier must be a finite number > 0, got {self.noise_multiplier}")
+        if not 0.0 < self.delta < 1.0:
+            raise ValueError(f"delta must lie in (0, 1), got {self.delta}")
+        if self.epochs < 1:
+            raise ValueError(f"epochs must be >= 1, got {self.epochs}")
+        if self.calibration_epochs not in (None, self.epochs) and (
+                not 1 <= self.calibration_epochs < self.epochs or self.noise_kind != "gaussian"):
+            raise ValueError(f"calibration_epochs must lie in [1, epochs] and applies to iid Gaussian noise only, "
+                             f"got {self.calibration_epochs}")
+        if self.secure and self.secret_seed is not None:
+            raise ValueError("--secure draws every secret number from OS entropy and takes no --secret-seed "
+                             "(replayable noise); give one or the other")
+        check_physical_batch_size(self.physical_batch_size)
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0 steps (0: at the end of each epoch only), "
+                             f"got {self.checkpoint_every}")
+        Relation(self.relation)
+        Clipping(self.clip, self.clipping)
+        autocast_dtype(self.precision, resolve_device(self.device))
+        if self.calibration not in CALIBRATIONS:
+            raise ValueError(f"unknown calibration {self.calibration!r}; choose one of {', '.join(CALIBRATIONS)}")
+        if self.calibration != "accountant" and (self.epsilon is None or self.noise_kind != "gaussian"):
+            raise ValueError(f"calibration {self.calibration!r} sets iid Gaussian noise from --epsilon; it does not "
+                             "apply to a given noise multiplier, a non-private algorithm or correlated noise")
+        if self.trainable is not None:
+            try:
+                re.compile(self.trainable)
+            except re.error as e:
+                raise ValueError(f"trainable {self.trainable!r} is not a regular expression: {e}") from None
+
+    @property
+    def noise_kind(self) -> str:
+        return DEFAULT_NOISE.get(self.algorithm, "gaussian") if self.noise == "auto" else self.noise
+
+    @property
+    def sampling_kind(self) -> str:
+        if self.sampling != "auto":
+            return self.sampling
+        if self.noise == "auto" and self.epsilon is not None and self.algorithm in DEFAULT_SAMPLING:
+            return DEFAULT_SAMPLING[self.algorithm]  # cyclic: its period is chosen for the epsilon
+        return "poisson" if self.noise_kind == "gaussian" else "fixed"
+
+    @property
+    def randomness(self) -> str:
+        """How the secret streams are keyed: ``os-entropy-key``, ``secret-seed`` (replayable) or ``secure``."""
+        return "secure" if self.secure else "os-entropy-key" if self.secret_seed is None else "secret-seed"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def public_dict(self) -> dict[str, Any]:
+        """``to_dict`` without the secret seed: what metrics.json shows."""
+        return {k: v for k, v in self.to_dict().items() if k != "secret_seed"}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown config keys: {', '.join(sorted(unknown))}")
+        hp = {k: tuple(v) if isinstance(v, list) else StepRule(**v) if isinstance(v, dict) else v
+              for k, v in data.get("hp", {}).items()}  # a dict: an lr rule not yet resolved (to_dict's asdict)
+        return cls(**{**data, "hp": Hyperparameters(**hp)})
