@@ -10,7 +10,8 @@ from dpopt.privacy import (AccountingError, FixedParticipation, GaussianRelease,
                            epsilon_of, noise_multiplier_for)
 from dpopt.federated.privacy import gaussian_epsilon
 from dpopt.privacy import calibrate, ledger
-from dpopt.privacy.ledger import FINE, pld_interval
+from dpopt.privacy.correlated import CorrelatedRelease
+from dpopt.privacy.ledger import CyclicPoissonSampling, FINE, FixedOrderParticipation, pld_interval
 
 
 def poisson(z, q, steps):
@@ -170,3 +171,33 @@ def test_pld_grid_coarsens_past_epsilon_100_and_still_bounds_epsilon(monkeypatch
     assert eps == releases[0].pld(ledger.Relation.ADD_REMOVE, step).get_epsilon_for_delta(1e-5)
     exact = gaussian_epsilon(5 / 0.2, 1e-5)  # Balle & Wang's exact epsilon, mu = sensitivity / std
     assert exact <= eps <= exact + 25 * step
+
+
+def _ledger(relation, accountant, releases):
+    book = PrivacyLedger(relation, accountant)
+    for r in releases:
+        book.record(r)
+    return book
+
+
+@pytest.mark.parametrize("relation,accountant,releases", [
+    ("add-remove", "pld", poisson(1.1, 0.01, 300) + poisson(2.0, 0.02, 40)),
+    ("add-remove", "rdp", poisson(1.1, 0.01, 300) + [GaussianRelease(3.0, FixedParticipation(10), 95)]),
+    ("replace-one", "pld", poisson(1.5, 0.05, 60) + [GaussianRelease(2.0, FixedParticipation(4), 9)]),
+    ("replace-one", "rdp", [GaussianRelease(2.0, FixedParticipation(4), 9)]),
+    ("add-remove", "pld", [GaussianRelease(0.9, CyclicPoissonSampling(0.05, 4), 30)]),
+    ("replace-one", "pld", [CorrelatedRelease(3.0, "tree-sum", 20, 5, FixedOrderParticipation(5), 0.8, 0, 20)]),
+])
+def test_the_ledger_as_a_dp_event_gives_dp_accountings_own_epsilon(relation, accountant, releases):
+    """A run composed in dp-accounting (its own accountants, built with the ledger's relation) has the epsilon the
+    ledger reports: the exported event is the one the ledger accounts."""
+    book = _ledger(relation, accountant, releases)
+    if accountant == "pld":
+        theirs = pld.PLDAccountant(book.neighboring_relation, value_discretization_interval=FINE)
+    else:
+        theirs = rdp.RdpAccountant(neighboring_relation=book.neighboring_relation)
+    theirs.compose(book.dp_event())
+    assert theirs.get_epsilon(1e-6) == pytest.approx(book.epsilon(1e-6), rel=1e-9)
+    assert isinstance(PrivacyLedger().dp_event(), dpa.NoOpDpEvent)
+    with pytest.raises(ValueError, match="accountant"):
+        book.dp_event("moments")

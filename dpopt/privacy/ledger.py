@@ -347,6 +347,23 @@ class PrivacyLedger:
             self._cache[key] = epsilon_of(self.entries, delta, kind, self.relation)
         return self._cache[key]
 
+    @property
+    def neighboring_relation(self) -> dpa.NeighboringRelation:
+        """The relation a dp-accounting accountant must be built with to read ``dp_event``."""
+        return _relation(self.relation)
+
+    def dp_event(self, accountant: str | None = None) -> dpa.DpEvent:
+        """Everything the ledger holds as one dp-accounting event, to compose a run with the rest of a privacy
+        budget in dp-accounting: ``PLDAccountant(ledger.neighboring_relation)`` for ``accountant`` "pld" (the
+        default: the ledger's own), ``RdpAccountant(neighboring_relation=ledger.neighboring_relation)`` for "rdp".
+        The two read a replace-one Gaussian differently (the module docstring), hence one event per accountant;
+        under add-remove they are the same event."""
+        kind = accountant or self.accountant
+        if kind not in ACCOUNTANTS:
+            raise ValueError(f"unknown accountant {kind!r}; choose one of {', '.join(ACCOUNTANTS)}")
+        events = [e.dp_event(kind, self.relation) for e in self.entries if e.steps > 0]
+        return dpa.ComposedDpEvent(events) if events else dpa.NoOpDpEvent()
+
     def to_dict(self) -> dict[str, Any]:
         return {"relation": self.relation.value, "accountant": self.accountant,
                 "entries": [e.to_dict() for e in self.entries]}
