@@ -55,6 +55,8 @@ class PrivacyArguments:
     clip: float = 1.0
     clipping: str = "flat"
     algorithm: str | None = None
+    noise: str = "auto"  # the recipe's mechanism (PrivacyPlan), or another: gaussian, tree, mf, banded, ...
+    sampling: str = "auto"  # the recipe's sampling (PrivacyPlan), or poisson, cyclic, shuffle, fixed
     accountant: str = "pld"
     secret_seed: int | None = None
     hyperparameters: dict[str, Any] = field(default_factory=dict)  # a recipe's others, e.g. {"rank": 4}
@@ -205,7 +207,8 @@ class PrivateTrainer(Trainer):
             self.model, algorithm, Subset(dataset, range(len(dataset))), self.per_example_loss,  # a list too
             batch_size=p.batch_size, epochs=self.args.num_train_epochs,
             steps=self.args.max_steps if self.args.max_steps > 0 else None, epsilon=p.epsilon,
-            noise_multiplier=p.noise_multiplier, delta=p.delta, clip=p.clip, clipping=p.clipping,
+            noise_multiplier=p.noise_multiplier, delta=p.delta, clip=p.clip, clipping=p.clipping, noise=p.noise,
+            sampling=p.sampling,
             physical_batch_size=self.args.per_device_train_batch_size, accountant=p.accountant, secret_seed=key,
             hp=self._recipe_hyperparameters(), collate_fn=collate)
         self.dp = private.dp

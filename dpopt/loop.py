@@ -1,11 +1,11 @@
-"""One call for a plain PyTorch loop (issue 22): ``make_private`` turns a model, a torch optimizer (or a
+"""One call for a plain PyTorch loop: ``make_private`` turns a model, a torch optimizer (or a
 recipe's name), a dataset and a privacy target into what a PyTorch user already drives::
 
     model, optimizer, batches = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset,
                                              loss_fn, epsilon=3.0, epochs=5, batch_size=512,
                                              physical_batch_size=64)
     for epoch in range(5):
-        for batch in batches:                          # Poisson logical batches, in physical batches
+        for batch in batches:                          # logical batches (the plan's sampling), in physical ones
             optimizer.zero_grad()
             loss_fn(model, batch).mean().backward()    # the mean of per-example losses (or their sum)
             optimizer.step()                           # one release after a logical batch's last physical one
@@ -15,7 +15,8 @@ It is ``DPOptimizer.step`` split at the caller's backward, not a second engine: 
 physical batch's per-example gradients during ``loss.backward()`` (``PerExampleEngine.record``),
 ``Privatizer.clip`` adds their clipped sum to the logical step's running sums, and after the last physical
 batch ``DPOptimizer.finish`` releases them once (noise, ledger) and updates. ``batches`` releases an empty
-Poisson batch itself (noise alone). Attribution is verified on 3 distinct examples before anything is
+logical batch itself (noise alone). The sampling, the noise and their calibration come from the ``PrivacyPlan``
+of the recipe, as in ``dpopt train``. Attribution is verified on 3 distinct examples before anything is
 released.
 
 Recipes whose statistic evaluates the loss several times per step (DiSK at x + gamma d and x, SRG at x_t and
@@ -31,7 +32,7 @@ evaluate ``loss_fn`` on the physical batch, at the points it chooses; any recipe
 
 from __future__ import annotations
 
-import math
+import logging
 from typing import Any, Callable, Iterator
 
 import torch
@@ -39,16 +40,17 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.data import Dataset, default_collate
 
-from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
+from dpopt.algorithms import Hyperparameters, build_algorithm
 from dpopt.algorithms.base import DPOptimizer
-from dpopt.clipping import Clipping
-from dpopt.data.samplers import PoissonSampler, take
+from dpopt.data.samplers import take
 from dpopt.device import to_device
 from dpopt.grad.batch import Closure, LossFn
 from dpopt.grad.engine import PerExampleEngine
-from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.rng import SecretStream, secret_key
-from dpopt.privacy import PrivacyLedger, noise_multiplier_for, privacy_statement
+from dpopt.plan import PrivacyPlan
+from dpopt.privacy import PrivacyLedger, privacy_statement
+
+_log = logging.getLogger("dpopt")  # what the plan chose (a cyclic period, a calibrated noise multiplier)
 
 
 class PrivateOptimizer:
@@ -108,7 +110,7 @@ class PrivateOptimizer:
                 raise RuntimeError("no per-example gradient was recorded: call loss.backward() before "
                                    "optimizer.step()")
         losses = grads.losses
-        self._sums, _ = self.dp.privatizer.clip(grads, into=self._sums)
+        self._sums, _ = self.dp.clip(grads, self._sums)
         self.zero_grad()  # autograd's batch gradient of this physical batch: not private
         if self._last:
             sums, self._sums = self._sums, None
@@ -154,7 +156,8 @@ def load_private_state(dp: DPOptimizer, state: dict[str, Any]) -> int | bytes:
 
 
 class PrivateBatches:
-    """One epoch of Poisson-sampled logical batches, each handed out in physical batches on the model's device."""
+    """One epoch of logical batches drawn by the plan's sampler, each handed out in physical batches on the model's
+    device."""
 
     def __init__(self, dp: DPOptimizer, data: Any, optimizer: PrivateOptimizer) -> None:
         self.dp, self.data, self.optimizer = dp, data, optimizer
@@ -180,7 +183,7 @@ def _indexable(data: Any, collate_fn: Callable[[list], Any] = default_collate) -
     if isinstance(data, Dataset) or (hasattr(data, "__getitem__") and not isinstance(
             data, (torch.Tensor, tuple, list, dict))):
         if not hasattr(data, "__len__"):
-            raise ValueError("the dataset has no __len__: Poisson sampling needs the number of examples")
+            raise ValueError("the dataset has no __len__: sampling needs the number of examples")
         return (lambda index: collate_fn([data[i] for i in index.tolist()])), len(data)
     leaves = [t for t in tree_flatten(data)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
     if not leaves:
@@ -192,14 +195,15 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | str, data:
                  batch_size: int, epochs: float = 1, steps: int | None = None, epsilon: float | None = None,
                  noise_multiplier: float | None = None, delta: float = 1e-5, clip: float = 1.0,
                  clipping: str = "flat", physical_batch_size: int | None = None, loss_reduction: str = "mean",
-                 accountant: str = "pld", secret_seed: int | bytes | None = None,
-                 hp: Hyperparameters | None = None,
+                 noise: str = "auto", sampling: str = "auto", accountant: str = "pld", relation: str = "add-remove",
+                 secret_seed: int | bytes | None = None, hp: Hyperparameters | None = None,
                  collate_fn: Callable[[list], Any] = default_collate) -> tuple[nn.Module, PrivateOptimizer,
                                                                                PrivateBatches]:
     """The model, a ``PrivateOptimizer`` and the ``PrivateBatches`` of one epoch, for ``epochs`` epochs of
-    Poisson batches of expected size ``batch_size`` at (``epsilon``, ``delta``), or at ``noise_multiplier``.
-    ``optimizer``: a torch optimizer over the model's trainable parameters, or a recipe's name (with its tuned
-    defaults, or ``hp``). ``loss_fn(model, batch) -> [B]`` is the per-example loss the loop averages
+    logical batches of expected size ``batch_size`` at (``epsilon``, ``delta``), or at ``noise_multiplier``.
+    ``optimizer``: a torch optimizer over the model's trainable parameters (DP-SGD's mechanism: Poisson batches,
+    iid Gaussian noise), or a recipe's name (with its tuned defaults, or ``hp``), whose mechanism is the one
+    ``dpopt train`` runs under that name (``PrivacyPlan``); ``noise`` and ``sampling`` override it. ``loss_fn(model, batch) -> [B]`` is the per-example loss the loop averages
     (``loss_reduction="mean"``) or sums (``"sum"``) before its backward; the attribution check runs it. A
     closure given to ``optimizer.step`` returns the per-example losses [B] whatever ``loss_reduction``.
     ``steps``: the number of logical steps the noise is calibrated for, if not ``ceil(epochs * steps per
@@ -208,21 +212,15 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | str, data:
     checkpoint kept, to resume)."""
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-    if (epsilon is None) == (noise_multiplier is None):
-        raise ValueError("give exactly one of epsilon (the noise is calibrated to it) or noise_multiplier")
     data, n = _indexable(data, collate_fn)
     engine = PerExampleEngine(model, loss_fn)
     key = secret_key(secret_seed)
-    sampler = PoissonSampler.with_batch_size(n, batch_size, SecretStream(key, "sampling"))
-    ledger = PrivacyLedger(accountant=accountant)
-    steps = math.ceil(epochs * sampler.steps_per_epoch) if steps is None else steps
-    if noise_multiplier is None:
-        noise_multiplier = noise_multiplier_for(epsilon, delta, sampler.participation, steps, accountant)
-    privatizer = Privatizer(Clipping(clip, clipping), GaussianNoise(noise_multiplier, clip, SecretStream(key, "noise")),
-                            sampler, ledger)
+    algorithm = optimizer if isinstance(optimizer, str) else "dp-sgd"
+    plan = PrivacyPlan(algorithm, n, batch_size, epochs, steps, epsilon, noise_multiplier, delta, clip, clipping,
+                       noise, sampling, accountant, relation, hp=hp).resolved(_log.info)
+    privatizer = plan.make(key, _log.info)
     if isinstance(optimizer, str):
-        hp = (hp or Hyperparameters.for_algorithm(optimizer)).for_run(steps)
-        dp = build_algorithm(optimizer, engine, privatizer, hp)
+        dp = build_algorithm(optimizer, engine, privatizer, plan.hp.for_run(plan.total_steps(privatizer.sampler)))
     else:
         _check_optimizer(optimizer, engine)
         dp = DPOptimizer(engine, privatizer, optimizer)

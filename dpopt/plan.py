@@ -1,94 +1,211 @@
-"""The privacy plan of a run: which noise mechanism runs, with which sampling, calibrated to which target."""
+"""The privacy plan: sampling, clipping, the noise mechanism, its calibration and its accounting, decided together.
+
+A ``PrivacyPlan`` is built from the recipe, the data size, the batch, the run's length and a target (an epsilon or
+a noise multiplier); ``make(key)`` returns the ``Privatizer`` (sampler, clipping, noise, ledger) that every entry
+point drives: ``dpopt train`` (``TrainConfig.plan``), ``make_private``, ``PrivateTrainer`` and ``dpopt audit``.
+None of them chooses a mechanism itself, so a recipe's name means one mechanism everywhere.
+
+The rules, in order:
+
+* the noise: the recipe's mechanism (``DEFAULT_NOISE``; iid Gaussian for the first-order recipes) unless ``noise``
+  names another;
+* the sampling: with the recipe's own noise and an epsilon, the recipe's sampling (``DEFAULT_SAMPLING``: cyclic
+  Poisson for amplified BandMF, whose period is chosen for the epsilon); else Poisson for iid noise and fixed order
+  for correlated noise, unless ``sampling`` names another;
+* the mechanism that runs (``mechanism``): the noise above, except that a recipe's own correlated noise gives way
+  to ``banded`` under cyclic sampling (which amplifies banded noise only) and its dense ``mf`` beyond
+  ``MAX_DENSE_STEPS`` steps;
+* the scale: the noise multiplier given, or the one calibrated to the epsilon by the accountant (or by advanced
+  composition, for faithful reproductions of DPZero).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Callable, TYPE_CHECKING
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Protocol
 
-from dpopt.algorithms import DECAYED_WORKLOAD, NON_PRIVATE
-from dpopt.data.samplers import Sampler
+from dpopt.algorithms import DECAYED_WORKLOAD, DEFAULT_NOISE, DEFAULT_SAMPLING, NON_PRIVATE, Hyperparameters
+from dpopt.algorithms.base import Privatizer
+from dpopt.clipping import Clipping
+from dpopt.data.samplers import Sampler, make_sampler
 from dpopt.noise import factorizations as fz
 from dpopt.noise.correlated import CorrelatedNoise
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.mechanisms import MAX_DENSE_STEPS, amplified_bands, build_noise
 from dpopt.noise.rng import SecretStream
-from dpopt.privacy import CyclicPoissonSampling, Relation, advanced_composition_noise, noise_multiplier_for
+from dpopt.privacy import (CyclicPoissonSampling, PrivacyLedger, Relation, advanced_composition_noise,
+                           noise_multiplier_for)
 
 if TYPE_CHECKING:
-    from dpopt.run.config import TrainConfig
-
-
-def workload_rates(config: TrainConfig) -> tuple[float, float]:
-    """(momentum, decay) of the workload an optimised factorization targets: with ``--workload true`` the run's
-    momentum and, for the SRG recipes, its decay; else 0 and 0 (prefix sums)."""
-    hp = config.hp
-    if hp.workload != "true":
-        return 0.0, 0.0
-    return hp.momentum, hp.decay if config.algorithm in DECAYED_WORKLOAD else 0.0
-
-
-def cyclic_period(config: TrainConfig, n: int) -> int:
-    """``amplified_bands`` for a run of ``config`` over ``n`` examples, on the workload its noise targets."""
-    if config.epsilon is None:
-        raise ValueError("--sampling cyclic chooses its period (and the noise's bands) for an --epsilon; with a "
-                         "--noise-multiplier give --bands")
-    steps = config.epochs * max(1, round(n / config.batch_size))
-    rates = workload_rates(config) if run_noise_kind(config, steps) != "sqrt" else (0.0, 0.0)
-    workload = fz.workload_coefficients(steps, *rates)
-    return amplified_bands(config.epsilon, config.delta, n, config.batch_size, steps, workload, config.accountant,
-                           config.relation)
-
+    from dpopt.distributed import DataParallel
 
 SLOW_FACTORIZATION_STEPS = 1024  # beyond it, optimising a dense mf factorization takes minutes: say so
 
 
-def run_noise_kind(config: TrainConfig, steps: int) -> str:
-    """The noise mechanism of a run of ``steps`` steps: ``config.noise_kind``, except that a recipe's default
-    correlated noise (``--noise auto``) gives way to ``banded`` under cyclic sampling (which amplifies banded noise
+class Settings(Protocol):
+    """What the rules read: a ``PrivacyPlan``, or a ``TrainConfig`` before the data size is known."""
+
+    algorithm: str
+    noise: str
+    sampling: str
+    epsilon: float | None
+    hp: Hyperparameters
+
+
+def noise_kind(s: Settings) -> str:
+    """The noise the settings ask for: ``noise``, or the recipe's own (iid Gaussian for most)."""
+    return DEFAULT_NOISE.get(s.algorithm, "gaussian") if s.noise == "auto" else s.noise
+
+
+def sampling_kind(s: Settings) -> str:
+    """The sampling: ``sampling``, or the recipe's own with its own noise at an epsilon (cyclic: its period is
+    chosen for the epsilon), else Poisson for iid noise and fixed order for correlated noise."""
+    if s.sampling != "auto":
+        return s.sampling
+    if s.noise == "auto" and s.epsilon is not None and s.algorithm in DEFAULT_SAMPLING:
+        return DEFAULT_SAMPLING[s.algorithm]
+    return "poisson" if noise_kind(s) == "gaussian" else "fixed"
+
+
+def mechanism(s: Settings, steps: int) -> str:
+    """The noise mechanism of a run of ``steps`` steps: ``noise_kind``, except that a recipe's default
+    correlated noise (``noise="auto"``) gives way to ``banded`` under cyclic sampling (which amplifies banded noise
     only), and its dense ``mf`` beyond ``MAX_DENSE_STEPS`` steps, where the dense optimiser is out of reach (an
-    explicit ``--noise mf`` is refused there instead)."""
-    kind = config.noise_kind
-    if config.noise != "auto" or kind == "gaussian":
+    explicit ``noise="mf"`` is refused there instead)."""
+    kind = noise_kind(s)
+    if s.noise != "auto" or kind == "gaussian":
         return kind
-    return "banded" if config.sampling_kind == "cyclic" or (kind == "mf" and steps > MAX_DENSE_STEPS) else kind
+    return "banded" if sampling_kind(s) == "cyclic" or (kind == "mf" and steps > MAX_DENSE_STEPS) else kind
 
 
-def build_run_noise(config: TrainConfig, sampler: Sampler, total: int, clip: float, stream: SecretStream,
-                    log: Callable[[str], None] = print) -> GaussianNoise | CorrelatedNoise:
-    """The run's noise mechanism (``config.noise_kind``), calibrated to ``config.epsilon`` if given. Correlated
-    noise is built for the whole run (``total`` steps, examples recurring every epoch) and refuses a sampling
-    its sensitivity does not cover before anything is calibrated."""
-    if config.algorithm in NON_PRIVATE:
-        log(f"{config.algorithm} is NOT differentially private: it releases un-noised statistics (epsilon = inf)")
-        return GaussianNoise(0.0, clip, stream)
-    kind, hp = run_noise_kind(config, total), config.hp
-    if kind != config.noise_kind and config.sampling_kind == "cyclic":
-        log(f"amplified BandMF: {kind} noise with {hp.bands} band{'s' * (hp.bands != 1)} on cyclic Poisson sampling"
-            + (" (one band: iid noise, DP-SGD's privatization)" if hp.bands == 1 else "")
-            + f"; the recipe's {config.noise_kind} noise is not amplified (--sampling fixed runs it on fixed-order "
-            "batches)")
-    elif kind != config.noise_kind:
-        log(f"{config.noise_kind} noise (the recipe's default) is out of reach over {total} steps (at most "
-            f"{MAX_DENSE_STEPS}): using {kind} noise (BandMF) instead")
-    if kind == "mf" and SLOW_FACTORIZATION_STEPS < total <= MAX_DENSE_STEPS:
-        log(f"optimising the {kind} factorization for {total} steps (once, before training; minutes at this size)")
-    # cyclic sampling: the factorization's sensitivity is one participation's, amplified (privacy.correlated)
-    period = total if isinstance(sampler.participation, CyclicPoissonSampling) else sampler.steps_per_epoch
-    noise = build_noise(kind, 0.0, clip, stream, total, period, hp.tree_decoder, hp.bands, *workload_rates(config))
-    release = None
-    if isinstance(noise, CorrelatedNoise):
-        release = functools.partial(noise.whole_run, participation=sampler.participation)
-        release(1.0)
-    z = config.noise_multiplier
-    total = (config.calibration_epochs or config.epochs) * sampler.steps_per_epoch  # iid: its calibration horizon
-    if z is None and config.calibration == "advanced-composition":
-        sum_sensitivity = 2.0 if Relation(config.relation) is Relation.REPLACE_ONE else 1.0  # in units of C
-        z = advanced_composition_noise(config.epsilon, config.delta, total) * sum_sensitivity
-        log(f"noise multiplier {z:.4f} from advanced composition (DPZero Lemma 2.2, no amplification) for "
-            f"({config.epsilon}, {config.delta})-DP over {total} steps; the ledger reports the exact, lower epsilon")
-    elif z is None:
-        z = noise_multiplier_for(config.epsilon, config.delta, sampler.participation, total, config.accountant,
-                                 config.relation, release)
-        log(f"calibrated noise multiplier {z:.4f} for ({config.epsilon}, {config.delta})-DP over {total} steps "
-            f"({kind} noise)")
-    return noise.calibrated(z) if isinstance(noise, CorrelatedNoise) else GaussianNoise(z, clip, stream)
+def workload_rates(s: Settings) -> tuple[float, float]:
+    """(momentum, decay) of the workload an optimised factorization targets: with ``workload="true"`` the run's
+    momentum and, for the SRG recipes, its decay; else 0 and 0 (prefix sums)."""
+    hp = s.hp
+    if hp.workload != "true":
+        return 0.0, 0.0
+    return hp.momentum, hp.decay if s.algorithm in DECAYED_WORKLOAD else 0.0
+
+
+@dataclass(frozen=True)
+class PrivacyPlan:
+    """The privacy of one run, from the recipe, the data size, the expected logical batch, the run's length
+    (``epochs``, or ``steps`` logical steps) and one target: ``epsilon`` (at ``delta``) or ``noise_multiplier``.
+    ``noise`` and ``sampling`` override the recipe's mechanism; ``hp`` holds the recipe's settings that shape its
+    noise (bands, tree decoder, workload). ``calibration_epochs``: the epochs iid noise was calibrated for, when a
+    resumed run is extended past them."""
+
+    algorithm: str
+    dataset_size: int
+    batch_size: int
+    epochs: float = 1
+    steps: int | None = None
+    epsilon: float | None = None
+    noise_multiplier: float | None = None
+    delta: float = 1e-5
+    clip: float = 1.0
+    clipping: str = "flat"
+    noise: str = "auto"
+    sampling: str = "auto"
+    accountant: str = "pld"
+    relation: str = "add-remove"
+    calibration: str = "accountant"
+    calibration_epochs: int | None = None
+    hp: Hyperparameters | None = None  # None: the recipe's defaults
+
+    def __post_init__(self) -> None:
+        if self.hp is None:
+            object.__setattr__(self, "hp", Hyperparameters.for_algorithm(self.algorithm))
+        if self.algorithm not in NON_PRIVATE and (self.epsilon is None) == (self.noise_multiplier is None):
+            raise ValueError("give exactly one of epsilon (the noise is calibrated to it) or noise_multiplier")
+
+    @property
+    def noise_kind(self) -> str:
+        return noise_kind(self)
+
+    @property
+    def sampling_kind(self) -> str:
+        return sampling_kind(self)
+
+    def resolved(self, log: Callable[[str], None] = print) -> "PrivacyPlan":
+        """The plan with every choice it makes from the target written down: cyclic sampling's period (the
+        noise's bands), the least noise on the workload at the epsilon, unless ``hp.bands`` gives it."""
+        if self.sampling_kind != "cyclic" or self.hp.bands:
+            return self
+        if self.epsilon is None:
+            raise ValueError("--sampling cyclic chooses its period (and the noise's bands) for an --epsilon; with a "
+                             "--noise-multiplier give --bands")
+        steps = self.steps or math.ceil(self.epochs * max(1, round(self.dataset_size / self.batch_size)))
+        rates = workload_rates(self) if mechanism(self, steps) != "sqrt" else (0.0, 0.0)
+        workload = fz.workload_coefficients(steps, *rates)
+        period = amplified_bands(self.epsilon, self.delta, self.dataset_size, self.batch_size, steps, workload,
+                                 self.accountant, self.relation)
+        log(f"cyclic sampling: period {period} " + ("(plain Poisson sampling, iid noise)" if period == 1 else
+                                                    "(groups taken in turn, and the noise's bands)")
+            + f", the least noise on the workload at epsilon {self.epsilon} (--bands sets it)")
+        return dataclasses.replace(self, hp=dataclasses.replace(self.hp, bands=period))
+
+    def sampler(self, key: int | bytes | None) -> Sampler:
+        """The run's sampler, its secret stream keyed by ``key`` (None: secure, per-draw OS entropy)."""
+        return make_sampler(self.sampling_kind, self.dataset_size, self.batch_size, SecretStream(key, "sampling"),
+                            self.hp.bands)
+
+    def total_steps(self, sampler: Sampler) -> int:
+        """The run's logical steps: ``steps``, or ``epochs`` of ``sampler``'s."""
+        return self.steps or math.ceil(self.epochs * sampler.steps_per_epoch)
+
+    def make(self, key: int | bytes | None, log: Callable[[str], None] = print,
+             parallel: DataParallel | None = None) -> Privatizer:
+        """The ``Privatizer`` of a ``resolved`` plan: its sampler and noise keyed by ``key``, the noise calibrated
+        to the target, and an empty ledger."""
+        plan = self.resolved(log)
+        sampler = plan.sampler(key)
+        clipping = Clipping(plan.clip, plan.clipping)
+        noise = plan._noise(sampler, clipping.sensitivity, SecretStream(key, "noise"), log)
+        return Privatizer(clipping, noise, sampler, PrivacyLedger(plan.relation, plan.accountant), parallel)
+
+    def _noise(self, sampler: Sampler, clip: float, stream: SecretStream,
+               log: Callable[[str], None]) -> GaussianNoise | CorrelatedNoise:
+        """The run's noise mechanism (``mechanism``), calibrated to ``epsilon`` if given. Correlated noise is built
+        for the whole run (examples recurring every epoch) and refuses a sampling its sensitivity does not cover
+        before anything is calibrated."""
+        if self.algorithm in NON_PRIVATE:
+            log(f"{self.algorithm} is NOT differentially private: it releases un-noised statistics (epsilon = inf)")
+            return GaussianNoise(0.0, clip, stream)
+        total = self.total_steps(sampler)
+        kind, hp = mechanism(self, total), self.hp
+        if kind != self.noise_kind and self.sampling_kind == "cyclic":
+            log(f"amplified BandMF: {kind} noise with {hp.bands} band{'s' * (hp.bands != 1)} on cyclic Poisson "
+                "sampling" + (" (one band: iid noise, DP-SGD's privatization)" if hp.bands == 1 else "")
+                + f"; the recipe's {self.noise_kind} noise is not amplified (--sampling fixed runs it on fixed-order "
+                "batches)")
+        elif kind != self.noise_kind:
+            log(f"{self.noise_kind} noise (the recipe's default) is out of reach over {total} steps (at most "
+                f"{MAX_DENSE_STEPS}): using {kind} noise (BandMF) instead")
+        if kind == "mf" and SLOW_FACTORIZATION_STEPS < total <= MAX_DENSE_STEPS:
+            log(f"optimising the {kind} factorization for {total} steps (once, before training; minutes at this "
+                "size)")
+        # cyclic sampling: the factorization's sensitivity is one participation's, amplified (privacy.correlated)
+        period = total if isinstance(sampler.participation, CyclicPoissonSampling) else sampler.steps_per_epoch
+        noise = build_noise(kind, 0.0, clip, stream, total, period, hp.tree_decoder, hp.bands, *workload_rates(self))
+        release = None
+        if isinstance(noise, CorrelatedNoise):
+            release = functools.partial(noise.whole_run, participation=sampler.participation)
+            release(1.0)
+        z = self.noise_multiplier
+        horizon = total if self.calibration_epochs is None else self.calibration_epochs * sampler.steps_per_epoch
+        if z is None and self.calibration == "advanced-composition":
+            sum_sensitivity = 2.0 if Relation(self.relation) is Relation.REPLACE_ONE else 1.0  # in units of C
+            z = advanced_composition_noise(self.epsilon, self.delta, horizon) * sum_sensitivity
+            log(f"noise multiplier {z:.4f} from advanced composition (DPZero Lemma 2.2, no amplification) for "
+                f"({self.epsilon}, {self.delta})-DP over {horizon} steps; the ledger reports the exact, lower "
+                "epsilon")
+        elif z is None:
+            z = noise_multiplier_for(self.epsilon, self.delta, sampler.participation, horizon, self.accountant,
+                                     self.relation, release)
+            log(f"calibrated noise multiplier {z:.4f} for ({self.epsilon}, {self.delta})-DP over {horizon} steps "
+                f"({kind} noise)")
+        return noise.calibrated(z) if isinstance(noise, CorrelatedNoise) else GaussianNoise(z, clip, stream)

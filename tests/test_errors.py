@@ -27,7 +27,7 @@ from dpopt.noise.mechanisms import MAX_DENSE_STEPS, build_noise
 from dpopt.noise.rng import SecretStream
 from dpopt.privacy import PoissonSampling, PrivacyLedger, Relation, noise_multiplier_for
 from dpopt.run import TrainConfig, resume, train
-from dpopt.plan import run_noise_kind
+from dpopt.plan import mechanism
 
 
 def refused(message: str, **fields) -> None:
@@ -95,14 +95,14 @@ def test_dense_mf_noise_beyond_its_reach_is_refused_before_training(capsys):
     assert e.value.code == 2 and "use --noise tree, or banded" in capsys.readouterr().err
     # on fixed-order batches with --noise auto, the recipe's dense mf gives way to banded noise there
     config = TrainConfig(algorithm="dp-memf", epsilon=1.0, sampling="fixed")
-    assert run_noise_kind(config, MAX_DENSE_STEPS) == "mf" and run_noise_kind(config, MAX_DENSE_STEPS + 1) == "banded"
-    assert run_noise_kind(dataclasses.replace(config, sampling="auto"), 10) == "banded"  # amplified BandMF
-    assert run_noise_kind(dataclasses.replace(config, noise="mf"), MAX_DENSE_STEPS + 1) == "mf"
+    assert mechanism(config, MAX_DENSE_STEPS) == "mf" and mechanism(config, MAX_DENSE_STEPS + 1) == "banded"
+    assert mechanism(dataclasses.replace(config, sampling="auto"), 10) == "banded"  # amplified BandMF
+    assert mechanism(dataclasses.replace(config, noise="mf"), MAX_DENSE_STEPS + 1) == "mf"
     # a recipe's own tree noise gives way to banded noise under cyclic sampling (by default)
     for algorithm, sampling, kind in [("dp-ftrl", "auto", "banded"), ("dp-ftrl", "fixed", "tree"),
                                       ("dp-srgd", "auto", "banded"), ("dp-srgd", "fixed", "tree")]:
-        assert run_noise_kind(TrainConfig(algorithm=algorithm, epsilon=1.0, sampling=sampling), 10) == kind
-    assert run_noise_kind(TrainConfig(algorithm="dp-srgd", sampling="cyclic", noise="tree"), 10) == "tree"
+        assert mechanism(TrainConfig(algorithm=algorithm, epsilon=1.0, sampling=sampling), 10) == kind
+    assert mechanism(TrainConfig(algorithm="dp-srgd", sampling="cyclic", noise="tree"), 10) == "tree"
 
 
 def test_nonfinite_examples_in_a_run_are_zeroed_counted_and_warned(monkeypatch):

@@ -158,7 +158,7 @@ def audit(algorithm: str, spec: AuditSpec | None = None) -> AuditResult:
 # --- parts that setups share ---------------------------------------------------------------------------
 
 def poisson_privatizer(spec: AuditSpec, dataset_size: int) -> Privatizer:
-    """Stages 3-4 and the ledger, built as ``dpopt.train.build_run`` builds them: Poisson sampling, noise
+    """Stages 3-4 and the ledger, as ``PrivacyPlan`` builds them for DP-SGD: Poisson sampling, noise
     calibrated to the spec's budget, flat clipping, secret streams keyed by fresh OS entropy (or the spec's
     secret seed)."""
     key = secret_key(spec.secret_seed)

@@ -14,12 +14,8 @@ import torch
 from dpopt.algorithms import Privatizer
 from dpopt.audit.auditor import AuditSpec, poisson_gaussian_llr, register_audit
 from dpopt.audit.canaries import DiracRows
-from dpopt.clipping import Clipping
-from dpopt.data.samplers import CyclicPoissonSampler, FixedOrderSampler
 from dpopt.noise.rng import SecretStream, secret_key
-from dpopt.privacy import PrivacyLedger
-from dpopt.run import TrainConfig
-from dpopt.plan import build_run_noise
+from dpopt.plan import PrivacyPlan
 
 COVARIANCE_DRAWS = 200_000
 
@@ -31,14 +27,9 @@ class CorrelatedRows(DiracRows):
 
     def privatizer(self, algorithm: str, spec: AuditSpec, dataset_size: int) -> Privatizer:
         batch = max(1, round(spec.sample_rate * dataset_size))
-        key = secret_key(spec.secret_seed)
-        sampler = FixedOrderSampler(dataset_size, batch, SecretStream(key, "sampling"))
-        config = TrainConfig(algorithm=algorithm, epsilon=spec.epsilon, delta=spec.delta, clip=spec.clip, hp=spec.hp,
-                             sampling="fixed")
-        clipping = Clipping(spec.clip)
-        noise = build_run_noise(config, sampler, spec.steps, clipping.sensitivity, SecretStream(key, "noise"),
-                                log=lambda _: None)
-        return Privatizer(clipping, noise, sampler, PrivacyLedger())
+        plan = PrivacyPlan(algorithm, dataset_size, batch, steps=spec.steps, epsilon=spec.epsilon, delta=spec.delta,
+                           clip=spec.clip, sampling="fixed", hp=spec.hp)
+        return plan.make(secret_key(spec.secret_seed), log=lambda _: None)
 
     def score(self, x: torch.Tensor, privatizer: Privatizer) -> torch.Tensor:
         k, steps = x.shape
@@ -65,14 +56,9 @@ class AmplifiedBandedRows(DiracRows):
 
     def privatizer(self, algorithm: str, spec: AuditSpec, dataset_size: int) -> Privatizer:
         batch = max(1, round(spec.sample_rate * dataset_size / self.period))  # rate: spec.sample_rate
-        key = secret_key(spec.secret_seed)
-        sampler = CyclicPoissonSampler(dataset_size, batch, self.period, SecretStream(key, "sampling"))
-        config = TrainConfig(algorithm=algorithm, epsilon=spec.epsilon, delta=spec.delta, clip=spec.clip,
-                             hp=dataclasses.replace(spec.hp, bands=self.period), sampling="cyclic")
-        clipping = Clipping(spec.clip)
-        noise = build_run_noise(config, sampler, spec.steps, clipping.sensitivity, SecretStream(key, "noise"),
-                                log=lambda _: None)
-        return Privatizer(clipping, noise, sampler, PrivacyLedger())
+        plan = PrivacyPlan(algorithm, dataset_size, batch, steps=spec.steps, epsilon=spec.epsilon, delta=spec.delta,
+                           clip=spec.clip, sampling="cyclic", hp=dataclasses.replace(spec.hp, bands=self.period))
+        return plan.make(secret_key(spec.secret_seed), log=lambda _: None)
 
     def score(self, x: torch.Tensor, privatizer: Privatizer) -> torch.Tensor:
         c = privatizer.noise.matrix()

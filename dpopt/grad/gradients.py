@@ -146,7 +146,7 @@ class PerExampleGradients(PerExampleStatistic):
                 cols.append(sq)
             else:
                 c, _ = ts[0]
-                cols.append(c * c * of[j][0])
+                cols.append(of[j][0] if c == 1.0 else c * c * of[j][0])
         return torch.stack(cols, 1)
 
     def weighted_sum(self, weights: torch.Tensor, release: bool = False,

@@ -11,17 +11,15 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from dpopt.algorithms import DPOptimizer, Privatizer, build_algorithm
-from dpopt.clipping import Clipping
+from dpopt.algorithms import DPOptimizer, build_algorithm
 from dpopt.data.datasets import DATASET_MODEL, Dataset, load_dataset
-from dpopt.data.samplers import make_sampler, take
+from dpopt.data.samplers import take
 from dpopt.device import resolve_device, to_device
 from dpopt.distributed import DataParallel
 from dpopt.grad.engine import PerExampleEngine
 from dpopt.grad.verify import check_per_example
 from dpopt.models import MODEL_TRAINABLE, build_model, hf_folder
-from dpopt.noise.rng import SecretStream, derive_seed, secret_key
-from dpopt.plan import build_run_noise, cyclic_period
+from dpopt.noise.rng import derive_seed, secret_key
 from dpopt.privacy import PrivacyLedger
 from dpopt.run.config import DEFAULT_BATCH, DEFAULT_PHYSICAL_BATCH, TrainConfig
 from dpopt.run.task import classification_loss
@@ -73,23 +71,16 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel:
         key = secret_key(config.secret_seed)
     if config.batch_size is None:  # the config keeps the value the run uses
         config = dataclasses.replace(config, batch_size=min(DEFAULT_BATCH, n))
-    if config.sampling_kind == "cyclic" and not config.hp.bands:  # the config keeps the period the run uses
-        config = dataclasses.replace(config, hp=dataclasses.replace(config.hp, bands=cyclic_period(config, n)))
-        period = config.hp.bands
-        log(f"cyclic sampling: period {period} " + ("(plain Poisson sampling, iid noise)" if period == 1 else
-                                                    "(groups taken in turn, and the noise's bands)")
-            + f", the least noise on the workload at epsilon {config.epsilon} (--bands sets it)")
-    sampler = make_sampler(config.sampling_kind, n, config.batch_size, SecretStream(key, "sampling"), config.hp.bands)
-    total = config.epochs * sampler.steps_per_epoch
+    plan = config.plan(n).resolved(log)
+    config = dataclasses.replace(config, hp=plan.hp)  # the config keeps the cyclic period the run uses
+    privatizer = plan.make(key, log, parallel)
+    sampler, total = privatizer.sampler, plan.total_steps(privatizer.sampler)
     for name, rule in config.hp.rules().items():  # set by the run's length: the config keeps the value used
         flag = "--" + name.replace("_", "-")
         log(f"{config.algorithm}: {name} = {rule} = {rule(total):.3g} over {total} steps "
             f"(its default depends on the run's length; {flag} sets it)")
     config = dataclasses.replace(config, hp=config.hp.for_run(total))
-    clipping = Clipping(config.clip, config.clipping)
-    ledger = PrivacyLedger(config.relation, config.accountant)
-    noise = build_run_noise(config, sampler, total, clipping.sensitivity, SecretStream(key, "noise"), log)
-    privatizer = Privatizer(clipping, noise, sampler, ledger, parallel)
+    ledger = privatizer.ledger
     physical = min(DEFAULT_PHYSICAL_BATCH, n) if config.physical_batch_size is None else config.physical_batch_size
     if physical > n:
         raise ValueError(f"the physical batch size ({physical}) exceeds the {n} training examples")

@@ -9,7 +9,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from dpopt.algorithms import ALGORITHMS, DEFAULT_NOISE, DEFAULT_SAMPLING, NON_PRIVATE, Hyperparameters, StepRule
+from dpopt import plan
+from dpopt.algorithms import ALGORITHMS, NON_PRIVATE, Hyperparameters, StepRule
 from dpopt.algorithms.base import check_physical_batch_size
 from dpopt.clipping import Clipping
 from dpopt.data.datasets import DATASETS, check_dataset, default_epochs, default_model
@@ -18,6 +19,7 @@ from dpopt.device import autocast_dtype, resolve_device
 from dpopt.grad.engine import MODES, STRATEGIES
 from dpopt.models import MODEL_TRAINABLE, check_model, hf_folder
 from dpopt.noise.mechanisms import NOISES
+from dpopt.plan import PrivacyPlan
 from dpopt.privacy import Relation, check_budget
 from dpopt.privacy.ledger import ACCOUNTANTS
 
@@ -126,15 +128,17 @@ class TrainConfig:
 
     @property
     def noise_kind(self) -> str:
-        return DEFAULT_NOISE.get(self.algorithm, "gaussian") if self.noise == "auto" else self.noise
+        return plan.noise_kind(self)
 
     @property
     def sampling_kind(self) -> str:
-        if self.sampling != "auto":
-            return self.sampling
-        if self.noise == "auto" and self.epsilon is not None and self.algorithm in DEFAULT_SAMPLING:
-            return DEFAULT_SAMPLING[self.algorithm]  # cyclic: its period is chosen for the epsilon
-        return "poisson" if self.noise_kind == "gaussian" else "fixed"
+        return plan.sampling_kind(self)
+
+    def plan(self, dataset_size: int) -> PrivacyPlan:
+        """The run's privacy plan over ``dataset_size`` examples (``batch_size`` set: see ``build_run``)."""
+        return PrivacyPlan(self.algorithm, dataset_size, self.batch_size, self.epochs, None, self.epsilon,
+                           self.noise_multiplier, self.delta, self.clip, self.clipping, self.noise, self.sampling,
+                           self.accountant, self.relation, self.calibration, self.calibration_epochs, self.hp)
 
     @property
     def randomness(self) -> str:

@@ -27,7 +27,7 @@ from dpopt.checkpoint import check_writable, load_checkpoint, save_checkpoint
 from dpopt.distributed import DataParallel
 from dpopt.models import hf_folder
 from dpopt.noise.rng import derive_seed
-from dpopt.plan import run_noise_kind
+from dpopt.plan import mechanism
 from dpopt.report import CURVES, LOG, TENSORBOARD, logging_to, plot_curves, tensorboard_writer
 from dpopt.run.build import build_run
 from dpopt.run.config import TrainConfig
@@ -146,7 +146,7 @@ def extended(config: TrainConfig, epochs: int | None, steps_per_epoch: int) -> T
         raise ValueError(f"--epochs {epochs} is below the run's {config.epochs}: a resumed run can be extended, "
                          "not shortened")
     if config.algorithm not in NON_PRIVATE and config.noise_kind != "gaussian":
-        kind = run_noise_kind(config, config.epochs * steps_per_epoch)
+        kind = mechanism(config, config.epochs * steps_per_epoch)
         raise ValueError(f"{kind} noise is built for the run's {config.epochs} epochs and cannot be "
                          f"extended to {epochs}; start a new run")
     return dataclasses.replace(config, epochs=epochs, calibration_epochs=config.calibration_epochs or config.epochs)

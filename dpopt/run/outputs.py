@@ -12,7 +12,7 @@ from torch import nn
 
 from dpopt import report
 from dpopt.checkpoint import write_atomic
-from dpopt.plan import run_noise_kind
+from dpopt.plan import mechanism
 from dpopt.privacy import PoissonSampling, PrivacyLedger
 from dpopt.privacy.statement import privacy_statement
 from dpopt.run.build import Run
@@ -52,7 +52,7 @@ def metrics_of(run: Run, history: list[dict[str, Any]], nonfinite: int, wall: fl
     config = run.config
     metrics = {
         "algorithm": config.algorithm, "dataset": config.dataset, "model": config.model,
-        "noise": run_noise_kind(config, run.total_steps), "sampling": config.sampling_kind,
+        "noise": mechanism(config, run.total_steps), "sampling": config.sampling_kind,
         "test_accuracy": history[-1]["test_accuracy"], "epsilon": run.ledger.epsilon(config.delta),
         "delta": config.delta, "steps": run.optimizer.steps, "epochs": config.epochs,
         "noise_multiplier": run.optimizer.privatizer.noise.noise_multiplier,
