@@ -17,20 +17,8 @@ FAMILIES = {  # algorithm: hyper-parameters that make its special statistic acti
 
 
 @pytest.fixture(autouse=True)
-def float64_digits(monkeypatch):
+def _float64(float64_digits):
     """Chunking changes only the order of the sums: in float64 (model and data) they agree to 1e-9."""
-    load = train_module.load_dataset
-
-    def load_float64(*args):
-        data = load(*args)
-        return dataclasses.replace(data, train=(data.train[0].double(), data.train[1]),
-                                   test=(data.test[0].double(), data.test[1]))
-
-    monkeypatch.setattr(train_module, "load_dataset", load_float64)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(default)
 
 
 def run_steps(algorithm: str, physical: int | None, clipping: str = "flat", steps: int = 3, batch: int = 96,

@@ -2,7 +2,6 @@
 and ``PrivateTrainer`` (the same sampler, noise, calibration and ledger, and in float64 the same released step)."""
 
 import copy
-import dataclasses
 
 import pytest
 import torch
@@ -13,26 +12,9 @@ from dpopt.loop import make_private
 from dpopt.noise.correlated import CorrelatedNoise
 from dpopt.plan import PrivacyPlan
 from dpopt.run import TrainConfig, build_run, classification_loss
-from dpopt.run import build as build_module
 from helpers import quiet
 
 BATCH = 300  # digits: 1,437 training examples, so 5 steps an epoch
-
-
-@pytest.fixture
-def float64_digits(monkeypatch):
-    load = build_module.load_dataset
-
-    def load_float64(*args):
-        data = load(*args)
-        return dataclasses.replace(data, train=(data.train[0].double(), data.train[1]),
-                                   test=(data.test[0].double(), data.test[1]))
-
-    monkeypatch.setattr(build_module, "load_dataset", load_float64)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(default)
 
 
 def target(algorithm: str) -> dict:
