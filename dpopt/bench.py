@@ -38,6 +38,11 @@ Hugging Face model (6 layers, hidden 384, 12 heads, intermediate 1536: MiniLM's 
 random token ids. Every DP system uses noise multiplier 1 and clip norm 1 with fixed-size batches.
 Opacus gets explicit ``position_ids`` and ``token_type_ids`` on BERT (without them its hooks fail on a
 stock model); dpopt gets the stock inputs.
+
+``--count-ops`` times nothing: it counts, in this one process, each system's aten operations of its third step,
+those of them that launch a kernel on a GPU and its host syncs (``dpopt.launches``: with the accelerator's chunk
+budget and ``foreach`` optimizers), and the ratio of its launches to PyTorch's, which predicts the GPU time ratio
+of a step bound by kernel launches.
 """
 
 from __future__ import annotations
@@ -380,6 +385,42 @@ def compare(case: Case, systems: tuple[str, ...] = DEFAULT_SYSTEMS, warmup: int 
     return results
 
 
+def count_ops(system: str, case: Case) -> dict[str, Any]:
+    """The third step's counts of ``system`` on ``case`` (``dpopt.launches``), built and run in this process with
+    the accelerator's settings; a failure becomes {"error": ...}."""
+    from dpopt import launches
+
+    try:
+        with launches.accelerator_settings():
+            count = launches.count_step(_step_fn(system, case, *_workload(case, system)))
+    except Exception as e:  # as ``measure``: one system's failure is a row of the table
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"aten_ops": count.aten_ops, "launching_ops": count.launching_ops, "host_syncs": count.host_syncs,
+            "syncs": dict(count.syncs), "most_launched": dict(count.launching.most_common(10))}
+
+
+def count_all(case: Case, systems: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """``count_ops`` of every system, with ``launch_ratio``: its launching operations over PyTorch's."""
+    results = {s: count_ops(s, case) for s in systems}
+    base = results.get("pytorch", {}).get("launching_ops")
+    for r in results.values():
+        if "error" not in r and base:
+            r["launch_ratio"] = r["launching_ops"] / base
+    return results
+
+
+def count_markdown(label: str, results: dict[str, dict[str, Any]]) -> str:
+    lines = ["| workload | system | aten ops | launching ops | launches / PyTorch | host syncs |",
+             "|---|---|---|---|---|---|"]
+    for system, r in results.items():
+        if "error" in r:
+            lines.append(f"| {label} | {system} | error: {r['error'][:80]} | | | |")
+            continue
+        ratio = f"{r['launch_ratio']:.2f}" if "launch_ratio" in r else "—"
+        lines.append(f"| {label} | {system} | {r['aten_ops']} | {r['launching_ops']} | {ratio} | {r['host_syncs']} |")
+    return "\n".join(lines)
+
+
 def markdown(rows: list[tuple[str, dict[str, dict[str, Any]]]]) -> str:
     lines = ["| workload | system | s/step | time / PyTorch | CPU s/step | CPU time / PyTorch | CPU time / PyTorch, "
              "interleaved | peak tensor MB | memory / PyTorch | peak RSS MB | page faults / step |",
@@ -427,12 +468,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run every system with a glibc heap that keeps freed memory (few page faults from step to step)")
     p.add_argument("--suite", action="store_true", help="the issue's table: cnn 256/1024, bert 32/64 (seq 64)")
     p.add_argument("--scaling", action="store_true", help="pytorch vs dpopt over batch size and sequence length")
+    p.add_argument("--count-ops", action="store_true",
+                   help="time nothing: count each system's third step's aten operations, kernel-launching ones and "
+                        "host syncs, on the CPU with the accelerator's settings (one workload)")
     p.add_argument("--json", action="store_true", help="print one JSON object (single workload)")
     p.add_argument("--out", help="folder for bench.json and bench.md")
 
 
+COUNTED = ("counted: each system's third step (after 2 warm-up steps), in one process on the CPU with the "
+           "accelerator's settings (chunk budget 2^24 elements, foreach optimizers, 1 thread); launching ops: those "
+           "that launch a kernel on a GPU (dpopt/launches.py)")
+
+
 def method(args: argparse.Namespace) -> str:
     """How this bench measures, for its output."""
+    if args.count_ops:
+        return COUNTED
     line = (f"measured: {args.threads} torch thread{'s' * (args.threads > 1)} per system, each system in its own "
             f"process (median of {args.steps} steps after {args.warmup} warm-up)")
     if args.interleave:
@@ -453,6 +504,10 @@ def _installed(systems: tuple[str, ...]) -> tuple[str, ...]:
 
 def run(args: argparse.Namespace) -> int:
     autocast_dtype(args.precision, resolve_device(args.device))  # bad input: one line, before anything is printed
+    if args.batch is not None and args.batch < 1:
+        raise ValueError(f"--batch must be at least 1, got {args.batch}")
+    if args.count_ops and (args.suite or args.scaling or args.out):
+        raise ValueError("--count-ops counts one workload and prints its counts: not with --suite, --scaling or --out")
     if args.suite or args.scaling:
         cases = [dataclasses.replace(c, threads=args.threads, device=args.device, precision=args.precision)
                  for c in (SUITE if args.suite else SCALING)]
@@ -465,6 +520,10 @@ def run(args: argparse.Namespace) -> int:
     if any(s.startswith("opacus") for s in systems):
         require("opacus", "experiments", f"--systems {' '.join(s for s in systems if s.startswith('opacus'))}")
     print(method(args), file=sys.stderr if args.json else sys.stdout, flush=True)
+    if args.count_ops:
+        counts = count_all(cases[0], systems)
+        print(json.dumps(counts) if args.json else count_markdown(cases[0].label, counts))
+        return 0
     rows = []
     for case in cases:
         rows.append((case.label, compare(case, systems, args.warmup, args.steps, args.repeats, args.interleave,

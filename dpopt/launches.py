@@ -1,0 +1,169 @@
+"""Counting a training step's operations on the CPU, as a GPU would launch them.
+
+On a GPU dpopt's step is bound by the host: one small kernel launch after another, so the ratio of two steps'
+kernel-launching aten operations predicts the ratio of their GPU times (docs/performance.md, "Counting launches on
+the CPU"). They can be counted without a GPU: ``count_step`` runs a step under a ``TorchDispatchMode`` that sees
+every aten operation and classifies it:
+
+* launching: every aten operation but those that launch no kernel on a GPU, read from its schema: views (the
+  output aliases the input: ``is_view``; view, expand, t, permute, select, slice, split, unbind, detach, alias,
+  lift_fresh, ...), in-place metadata changes (the ``inplace_view`` tag: unsqueeze_, resize_, set_), operations
+  that neither return a tensor nor write one (host metadata: promote_types, result_type; reads of a value:
+  ``_local_scalar_dense``, ``equal``, host syncs counted as such), and by name ``NO_KERNEL``: allocations
+  without a fill (empty, empty_like, new_empty, ...) and ``_unsafe_view`` (a view its schema does not declare).
+  Operations outside aten (the profiler's record-function markers) are not counted as launches either;
+* host syncs: operations that make the host wait for the device: reads of a value (the ``data_dependent_output``
+  tag: ``_local_scalar_dense``, behind ``item``, ``float``, ``int``, ``bool``; ``equal``), outputs whose shape
+  depends on the data (the ``dynamic_output_shape`` tag: nonzero, unique, masked_select, repeat_interleave without
+  ``output_size``; ``index`` only with a boolean index, and ``index_put_`` with one), and the ``Tensor`` methods
+  that reach no aten operation on a CPU run: ``tolist``, ``cpu`` and ``numpy``, counted as if every tensor lived
+  on the device. A ``.to("cpu")`` copy is not seen: on a CPU run it is the no-op ``.to(device)``.
+
+``accelerator_settings`` makes the step take the decisions it would take on a GPU: the chunk budget
+``ACCELERATOR_CHUNK_ELEMENTS`` (``chunk_elements`` of the CPU) and ``foreach`` optimizers (PyTorch's default for
+parameters on CUDA: the CPU joins the device types that get it); with one torch thread, so that the noise (drawn by
+a thread pool on a CPU with several) is drawn on the thread that counts it (a dispatch mode is per thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.optim import optimizer as torch_optimizer
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dpopt.grad import captures
+
+# Not views by their schema, yet no kernel: allocations without a fill (the caching allocator works on the host)
+# and ``_unsafe_view`` (a view).
+NO_KERNEL = frozenset({"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty", "new_empty_strided",
+                       "_unsafe_view"})
+# Indexing whose output shape depends on the data only with a boolean index.
+MASKABLE = frozenset({"index", "index_put_", "_index_put_impl_"})
+# Tensor methods that make the host wait for a device but reach no aten operation on a CPU run.
+HOST_METHODS = ("tolist", "cpu", "numpy")
+
+
+@dataclass
+class StepCount:
+    """One step's aten operations by name, those of them that launch a kernel, and its host syncs by name."""
+
+    ops: Counter[str] = field(default_factory=Counter)
+    launching: Counter[str] = field(default_factory=Counter)
+    syncs: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def aten_ops(self) -> int:
+        return sum(self.ops.values())
+
+    @property
+    def launching_ops(self) -> int:
+        return sum(self.launching.values())
+
+    @property
+    def host_syncs(self) -> int:
+        return sum(self.syncs.values())
+
+
+def _tensor(t: torch._C.Type) -> bool:
+    return isinstance(t, torch.TensorType) or (isinstance(t, (torch.ListType, torch.OptionalType))
+                                               and _tensor(t.getElementType()))
+
+
+def is_launching(func: torch._ops.OpOverload) -> bool:
+    """Whether ``func`` launches a kernel on a GPU."""
+    schema = func._schema
+    makes_data = (any(_tensor(r.type) for r in schema.returns)
+                  or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments))
+    return (func.namespace == "aten" and makes_data and not func.is_view and torch.Tag.inplace_view not in func.tags
+            and func.overloadpacket.__name__ not in NO_KERNEL)
+
+
+def _boolean(indices: Any) -> bool:
+    return isinstance(indices, (list, tuple)) and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                                      for i in indices)
+
+
+def is_sync(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func`` on these arguments makes the host wait for a GPU."""
+    name = func.overloadpacket.__name__
+    if name in MASKABLE:
+        return _boolean(args[1] if len(args) > 1 else kwargs.get("indices"))
+    dynamic = torch.Tag.data_dependent_output in func.tags or torch.Tag.dynamic_output_shape in func.tags
+    return dynamic and kwargs.get("output_size") is None  # repeat_interleave given its output size: no wait
+
+
+class _Counting(TorchDispatchMode):
+    def __init__(self, count: StepCount) -> None:
+        super().__init__()
+        self.count = count
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        self.count.ops[name] += 1
+        if is_launching(func):
+            self.count.launching[name] += 1
+        if is_sync(func, args, kwargs):
+            self.count.syncs[name] += 1
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _counting_host_methods(into: Counter[str]) -> Iterator[None]:
+    """``HOST_METHODS`` counted, by name, into ``into`` while in the context; torch restored after."""
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_METHODS}
+
+    def counted(name: str, original: Callable) -> Callable:
+        def method(*args, **kwargs):
+            into[name] += 1
+            return original(*args, **kwargs)
+
+        return method
+
+    try:
+        for name, original in saved.items():
+            setattr(torch.Tensor, name, counted(name, original))
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(torch.Tensor, name, original)
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[StepCount]:
+    """Counts the operations and host syncs run in the context (on this thread) into the ``StepCount`` it yields."""
+    count = StepCount()
+    with _counting_host_methods(count.syncs), _Counting(count):
+        yield count
+
+
+@contextlib.contextmanager
+def accelerator_settings() -> Iterator[None]:
+    """The chunk budget of an accelerator, ``foreach`` optimizers and one torch thread; restored after."""
+    budget, devices, threads = captures.CHUNK_ELEMENTS, torch_optimizer._get_foreach_kernels_supported_devices, \
+        torch.get_num_threads()
+    captures.CHUNK_ELEMENTS = captures.ACCELERATOR_CHUNK_ELEMENTS
+    torch_optimizer._get_foreach_kernels_supported_devices = lambda: [*devices(), "cpu"]
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        captures.CHUNK_ELEMENTS = budget
+        torch_optimizer._get_foreach_kernels_supported_devices = devices
+        torch.set_num_threads(threads)
+
+
+def count_step(step: Callable[[], object], warmup: int = 2) -> StepCount:
+    """The operations of ``step``'s call after ``warmup`` uncounted ones (by default the third: a run's steady
+    state, past the first steps' one-time work such as an optimizer's lazy state). Build and run the step inside
+    ``accelerator_settings`` to count it as a GPU would run it."""
+    for _ in range(warmup):
+        step()
+    with counting() as count:
+        step()
+    return count
