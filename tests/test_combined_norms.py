@@ -136,7 +136,7 @@ def test_a_difference_form_equals_its_combination_and_its_ghost_norm_needs_no_re
     assert merged is not None and merged.steps == 6
     exact = sum(c * torch.einsum("bti,btj->bij", t.left.double(), t.right.double()) for c, t in terms)
     assert torch.allclose(merged.materialize().double(), exact, rtol=0, atol=1e-5)
-    sq, cancelled = captures._outer_sq_norms(merged)
+    (sq,), (cancelled,) = captures._ghost_sq_norms([merged])
     assert not bool(cancelled.any())
     assert torch.allclose(sq.double(), exact.flatten(1).square().sum(1), rtol=1e-5, atol=0)
     assert captures.difference([(ca, near), (-cb, there)]) is None  # same signs: nothing cancels

@@ -15,7 +15,12 @@ trick) and ``materialize()``. Linear combinations of captures (two-point statist
 unguarded cross terms, whose float sum can cancel below the true norm: a ``Combination`` of dense-factored
 captures takes the Gram route under the cancellation guard (its cancelled examples recomputed from their
 materialised combination), ``coalesce`` merges one-hot captures, and ``PerExampleGradients`` materialises the
-rest. Low-precision captures are normed and summed in float32.
+rest. Low-precision captures are normed, summed and materialised in float32.
+
+On an accelerator each operation is a kernel launch, and a private step is bound by their count: captures of one
+kind are normed together (``sq_norms_of``: the Gram matrices of all Linear-like captures of equal steps in one
+buffer, dense ones stacked by size) and dense ones summed together (``dense_sums``), with no copy for a single
+chunk, and one-hot captures are merged with static shapes and no host synchronisation (``coalesce``).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import torch.nn.functional as F
 # memory (docs/performance.md, "On a GPU": a CNN b1024 step is 1,613 aten operations at 2^20, 478 at 2^24).
 CHUNK_ELEMENTS = 1 << 20
 ACCELERATOR_CHUNK_ELEMENTS = 1 << 24
-# A ghost norm below 1/CANCELLING of its steps' own squared norms is recomputed exactly (``_outer_sq_norms``).
+# A ghost norm below 1/CANCELLING of its steps' own squared norms is recomputed exactly (``_ghost_sq_norms``).
 CANCELLING = 16
 
 
@@ -59,6 +64,36 @@ def check_version(t: torch.Tensor, version: int) -> None:
 def _f32(t: torch.Tensor) -> torch.Tensor:
     """Norms are accumulated in float32 at least, whatever the model's precision."""
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``_f32`` gives a tensor of ``dtype``."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _cat(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``torch.cat``, without the copy for a single part."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _runs(items: list[int], each: int, device: torch.device) -> list[list[int]]:
+    """``items`` in runs whose temporaries, ``each`` elements per item, fit in ``chunk_elements`` together (one item
+    a run where one alone does not): one batched operation per run instead of one per item."""
+    size = max(1, chunk_elements(device) // max(1, each))
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def _stacked(ts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Tensors of one shape stacked as one of ``dtype`` (one copy, casting included; none for a single tensor of
+    ``dtype``)."""
+    if len(ts) == 1:
+        return ts[0].to(dtype).unsqueeze(0)
+    return torch.stack(ts, out=ts[0].new_empty((len(ts), *ts[0].shape), dtype=dtype))
+
+
+def _flat_stacked(gs: list[torch.Tensor]) -> torch.Tensor:
+    """Per-example gradients [B, ...] of equal numel as one [K, B, numel] tensor in float32 at least."""
+    return _stacked([g.reshape(g.shape[0], -1) for g in gs], _wide(gs[0].dtype))
 
 
 class Capture:
@@ -114,6 +149,27 @@ class Dense(Capture):
         return Dense(self.g[rows], self.shape)
 
 
+def dense_sums(captures: list[Dense], weights: list[torch.Tensor],
+               rows: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """``captures[k].weighted_sum(weights[k])`` for every k (book-keeping sums of biases, norm layers' weights):
+    sum_i w_k[i] g_k[i] over the examples ``rows`` (indices; all if None), float32 at least, as one batched product
+    [K, 1, B] @ [K, B, numel] per run of captures of equal size. Each sum is in its capture's shape, in memory of
+    its own (no capture's)."""
+    out: list[torch.Tensor | None] = [None] * len(captures)
+    groups: dict[Hashable, list[int]] = {}
+    for k, c in enumerate(captures):
+        groups.setdefault((math.prod(c.shape), _wide(c.g.dtype), c.g.device, c.batch_size), []).append(k)
+    for (numel, _, device, batch), items in groups.items():
+        for run in _runs(items, batch * numel, device):
+            g = _flat_stacked([captures[k].g for k in run])
+            w = _stacked([weights[k] for k in run], g.dtype)
+            if rows is not None:
+                g, w = g[:, rows], w[:, rows]
+            for k, total in zip(run, torch.bmm(w.unsqueeze(1), g).squeeze(1)):
+                out[k] = total.view(captures[k].shape)
+    return out
+
+
 def gram_cost(steps: int, other_steps: int, rows: int, cols: int) -> int:
     """Multiply-adds per example of <A, B> for dense-factored captures of ``steps`` and ``other_steps`` steps by
     their Gram matrices (``rows`` 0 where a left factor is indexed: its Gram matrix is a comparison)."""
@@ -146,6 +202,11 @@ class Outer(Capture):
         check_version(self.right, self._versions[1])
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the layer computed in (its output gradient's)."""
+        return self.right.dtype
+
+    @property
     def indexed(self) -> bool:
         return not self.left.is_floating_point()
 
@@ -165,28 +226,30 @@ class Outer(Capture):
         return Outer(self.left[rows], self.right[rows], self.rows, self.shape)
 
     def materialize(self, s: slice = slice(None)) -> torch.Tensor:
+        """In float32 at least: low-precision gradients rounded to their dtype could be normed up to 2^-9 below the
+        gradients that ``weighted_sum`` adds up from the same factors, and the clip bound would be exceeded."""
         self.check_unchanged()
-        left, right = self.left[s], self.right[s]
+        left, right = self.left[s], _f32(self.right[s])
         b, t, n = right.shape
         if self.indexed:
             out = right.new_zeros(b, self.rows, n)
             out.scatter_add_(1, left.unsqueeze(-1).expand(b, t, n), right)
         else:
-            out = torch.bmm(left.transpose(1, 2), right)
+            out = torch.bmm(_f32(left).transpose(1, 2), right)
         return out.view(b, *self.shape)
 
     def weighted_sum(self, w: torch.Tensor) -> torch.Tensor:
         self.check_unchanged()
         b, t, n = self.right.shape
-        w = _f32(w).view(b, 1, 1)
+        w = _f32(w).view(b, 1, 1)  # a low-precision factor times w is float32 (type promotion): no separate cast
         if self.indexed:
-            scaled = (_f32(self.right) * w).reshape(b * t, n)
+            scaled = (self.right * w).reshape(b * t, n)
             out = scaled.new_zeros(self.rows, n).index_add_(0, self.left.reshape(-1), scaled)
         elif self.left.shape[-1] <= n:  # rescale the smaller factor
-            left = (_f32(self.left) * w).reshape(b * t, self.rows)
+            left = (self.left * w).reshape(b * t, self.rows)
             out = left.T @ _f32(self.right).reshape(b * t, n)
         else:
-            right = (_f32(self.right) * w).reshape(b * t, n)
+            right = (self.right * w).reshape(b * t, n)
             out = _f32(self.left).reshape(b * t, self.rows).T @ right
         return out.view(self.shape)
 
@@ -241,6 +304,10 @@ class ConvOuter(Outer):
         return False
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self.g.dtype
+
+    @property
     def steps(self) -> int:
         return self.g.shape[2] * self.g.shape[3]
 
@@ -270,7 +337,7 @@ class ConvOuter(Outer):
           where the stride divides the kernel: the input split into its stride phases, x[c, s*a + p] -> [c, p, a],
           makes the window of tap kh = s*u + p over an output row contiguous (rows a = o + u of phase p);
           columns in the weight's (C_in/groups, kh, kw) order (the Tanh CNN's first layer: runs of 14, not 8)."""
-        x = self.x[s]
+        x = _f32(self.x[s])
         (kh, kw), (sh, sw), (dh, dw) = self.kernel, self.stride, self.dilation
         ph, pw = self.padding
         n, c = x.shape[0], x.shape[1] // self.groups
@@ -297,16 +364,17 @@ class ConvOuter(Outer):
         half of what the capture holds (and of ``chunk_elements`` / 2), so materialising during backward adds
         little to the step's peak memory. On CPU faster than one grouped convolution with the batch folded into
         the groups (Rochette et al., 2019) in 10 of 12 measurements on the Tanh CNN's layers (up to 1.8x), about
-        as fast in the other two (``dpopt reproduce conv_norm_cost``, three runs)."""
+        as fast in the other two (``dpopt reproduce conv_norm_cost``, three runs). In float32 at least, as
+        ``Outer.materialize``."""
         self.check_unchanged()
         start, stop, _ = s.indices(self.batch_size)
-        out = self.g.new_empty(stop - start, self.rows * self.cols)
+        out = self.g.new_empty(stop - start, self.rows * self.cols, dtype=_wide(self.g.dtype))
         rows = self.rows // self.groups
         budget = chunk_elements(self.device) // 2
         size = max(1, min(budget, self.held_elements() // 2) // self.factor_temporaries())
         for i in range(start, stop, size):
             j = min(i + size, stop)
-            grads = self.g[i:j].reshape((j - i) * self.groups, rows, -1)
+            grads = _f32(self.g[i:j]).reshape((j - i) * self.groups, rows, -1)
             torch.bmm(grads, self._patches(slice(i, j)), out=out[i - start:j - start].view(-1, rows, self.cols))
         return out
 
@@ -326,7 +394,7 @@ class ConvOuter(Outer):
 
     def weighted_sum(self, w: torch.Tensor) -> torch.Tensor:
         self.check_unchanged()
-        g = _f32(self.g) * _f32(w).view(-1, 1, 1, 1)
+        g = self.g * _f32(w).view(-1, 1, 1, 1)
         shape = (self.rows, self.x.shape[1] // self.groups, *self.kernel)
         return torch.nn.grad.conv2d_weight(_f32(self.x), shape, g, stride=self.stride, padding=self.padding,
                                            dilation=self.dilation, groups=self.groups).view(self.shape)
@@ -339,60 +407,67 @@ class ConvOuter(Outer):
         return self.g.device
 
 
-def _left_gram(la: torch.Tensor, lb: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """L_a L_b^T per example, [n, T_a, T_b]; an int64 factor holds the indices of one-hot rows."""
-    a_idx, b_idx = not la.is_floating_point(), not lb.is_floating_point()
-    if a_idx and b_idx:
-        return (la.unsqueeze(2) == lb.unsqueeze(1)).to(dtype)
-    if a_idx:  # one-hot rows of a pick entries of b's dense left factors
-        n, tb, _ = lb.shape
-        return torch.gather(_f32(lb), 2, la.unsqueeze(1).expand(n, tb, la.shape[1])).transpose(1, 2)
-    if b_idx:
-        return _left_gram(lb, la, dtype).transpose(1, 2)
-    return torch.bmm(_f32(la), _f32(lb).transpose(1, 2))
-
-
 def by_materializing(c: Capture) -> bool:
     """Whether the norm of ``c`` is computed from materialised per-example gradients: a dense-factored
     ``Outer`` capture whose ghost route costs more."""
     return isinstance(c, Outer) and not c.indexed and not c.ghost_cost(c) <= c.materialize_cost(c)
 
 
-def _outer_sq_norms(c: Outer) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """By the ghost identity where it is cheaper, else from per-example gradients materialised a chunk of
-    examples at a time. The ghost sum sum_ts A_ts B_ts of float32 Gram matrices carries a rounding error of
-    about u * D, D = sum_t A_tt B_tt (the steps' own squared norms, u = 2^-24): small beside the norm unless
-    the steps cancel. Examples whose ghost norm is under D / ``CANCELLING`` (or negative) are to be recomputed
-    from their materialised gradients (``_recompute``), so the error stays about ``CANCELLING`` * u relative:
-    returns the squared norms and the mask of those examples (None on the materialised route). The mask stays
-    on the device: ``sq_norms_of`` reads the masks of all its captures at once."""
-    if by_materializing(c):
-        parts = chunks(c.batch_size, 2 * c.rows * c.cols, c.device)
-        return torch.cat([inner_dense(g, g) for g in map(c.flat, parts)]), None
-    out, own = [], []
-    for s in chunks(c.batch_size, c.factor_temporaries() + 3 * c.steps * c.steps, c.device):
-        left, right = c.factors(s)
-        sq, d = _gram_dot(left, right, left, right)
-        out.append(sq)
-        own.append(d)
-    sq = torch.cat(out)
-    return sq, sq * CANCELLING < torch.cat(own)
+def _materialized_sq_norms(c: Outer) -> torch.Tensor:
+    """||G_i||^2 from the per-example gradients, materialised a chunk of examples at a time."""
+    parts = chunks(c.batch_size, 2 * c.rows * c.cols, c.device)
+    return _cat([inner_dense(g, g) for g in map(c.flat, parts)])
+
+
+def _self_grams(c: Outer, s: slice, out: torch.Tensor) -> None:
+    """L L^T into out[0] and R R^T into out[1] ([n, T, T] each) for the examples in ``s``; an indexed L's Gram
+    matrix compares its rows (one-hot rows: 1 where equal, else 0)."""
+    left, right = c.factors(s)
+    right = _f32(right)
+    torch.bmm(right, right.transpose(1, 2), out=out[1])
+    if c.indexed:
+        torch.eq(left.unsqueeze(2), left.unsqueeze(1), out=out[0])
+    else:
+        left = _f32(left)
+        torch.bmm(left, left.transpose(1, 2), out=out[0])
+
+
+def _ghost_sq_norms(run: list[Outer]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Squared norms [K, B] of K captures of T steps each by the ghost identity
+    ||sum_t l_t (x) r_t||^2 = <L L^T, R R^T> = sum_ts (L L^T)_ts (R R^T)_ts, and the mask [K, B] of the examples
+    to recompute from their materialised gradients (``sq_norms_of``). The float32 sum carries a rounding error of
+    about u * D, D = sum_t ||l_t||^2 ||r_t||^2 (the steps' own squared norms: the Gram matrices' diagonals
+    multiplied; u = 2^-24), small beside the norm unless the steps cancel: the examples whose ghost norm is under
+    D / ``CANCELLING`` (or negative) are masked, so the error stays about ``CANCELLING`` * u relative. The Gram
+    matrices of all K captures are written into one buffer, so each reduction is one operation for the run."""
+    first = run[0]
+    t = first.steps
+    sq, own = [], []
+    for s in chunks(first.batch_size, len(run) * (first.factor_temporaries() + 3 * t * t), first.device):
+        n = len(range(*s.indices(first.batch_size)))
+        grams = first.right.new_empty((2, len(run), n, t, t), dtype=_wide(first.right.dtype))
+        for k, c in enumerate(run):
+            _self_grams(c, s, grams[:, k])
+        sq.append(torch.linalg.vecdot(grams[0].flatten(2), grams[1].flatten(2)))
+        own.append(torch.linalg.vecdot(grams[0].diagonal(dim1=2, dim2=3), grams[1].diagonal(dim1=2, dim2=3)))
+    norms = _cat(sq, 1)
+    return norms, norms * CANCELLING < _cat(own, 1)
 
 
 def _gram_dot(la: torch.Tensor, ra: torch.Tensor, lb: torch.Tensor,
               rb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """<G_a, G_b> = sum_ts (L_a L_b^T)_ts (R_a R_b^T)_ts per example (float32), and sum_t of the two Gram
-    matrices' diagonals multiplied: for a = b, D, the steps' own squared norms."""
+    """<G_a, G_b> = sum_ts (L_a L_b^T)_ts (R_a R_b^T)_ts per example (float32) for dense factors, and sum_t of the
+    two Gram matrices' diagonals multiplied: for a = b, D, the steps' own squared norms."""
     gram = torch.bmm(_f32(ra), _f32(rb).transpose(1, 2))
-    left_gram = _left_gram(la, lb, gram.dtype)
-    own = (left_gram.diagonal(dim1=1, dim2=2) * gram.diagonal(dim1=1, dim2=2)).sum(1)
+    left_gram = torch.bmm(_f32(la), _f32(lb).transpose(1, 2))
+    own = torch.linalg.vecdot(left_gram.diagonal(dim1=1, dim2=2), gram.diagonal(dim1=1, dim2=2))
     return _pairwise_dot(left_gram, gram), own
 
 
 class Combination(Capture):
     """sum_k c_k G_k for dense-factored ``Outer`` captures of one parameter (a two-point statistic: DiSK's
     mixture, SRG's difference). Normed by the ghost identity over every pair of terms where that is cheaper than
-    materialising, with the cancellation guard of a single capture (``_outer_sq_norms``) over all the terms'
+    materialising, with the cancellation guard of a single capture (``_ghost_sq_norms``) over all the terms'
     steps together: an example whose terms or steps cancel is recomputed from its materialised combination."""
 
     def __init__(self, terms: list[tuple[float, Outer]]) -> None:
@@ -431,10 +506,10 @@ class Combination(Capture):
 
 def _combination_sq_norms(c: Combination) -> tuple[torch.Tensor, torch.Tensor]:
     """||sum_k c_k G_k||^2 = sum_ab c_a c_b <L_a L_b^T, R_a R_b^T> per example, and the mask of the examples
-    whose value is under D / ``CANCELLING``, D = sum_k c_k^2 sum_t ||l_kt||^2 ||r_kt||^2 (as ``_outer_sq_norms``)."""
+    whose value is under D / ``CANCELLING``, D = sum_k c_k^2 sum_t ||l_kt||^2 ||r_kt||^2 (as ``_ghost_sq_norms``)."""
     out, own = [], []
     for s in chunks(c.batch_size, 3 * c.steps * c.steps, c.device):
-        factors = [(k, *t.factors(s)) for k, t in c.terms]
+        factors = [(k, *map(_f32, t.factors(s))) for k, t in c.terms]
         sq = d = None
         for a, (ka, la, ra) in enumerate(factors):
             for b, (kb, lb, rb) in enumerate(factors[a:], a):
@@ -445,8 +520,8 @@ def _combination_sq_norms(c: Combination) -> tuple[torch.Tensor, torch.Tensor]:
                     d = diag * ka * ka if d is None else d.add_(diag, alpha=ka * ka)
         out.append(sq)
         own.append(d)
-    sq = torch.cat(out)
-    return sq, sq * CANCELLING < torch.cat(own)
+    sq = _cat(out)
+    return sq, sq * CANCELLING < _cat(own)
 
 
 def _recompute(c: Outer | Combination, sq: torch.Tensor, rows: torch.Tensor) -> None:
@@ -472,22 +547,48 @@ def sq_norms(c: Capture) -> torch.Tensor:
     return sq_norms_of([c])[0]
 
 
+def _dense_sq_norms(gs: list[torch.Tensor]) -> torch.Tensor:
+    """Per-example squared norms [K, B] of K per-example gradients [B, ...] of equal numel: one stacked product."""
+    g = _flat_stacked(gs)
+    return torch.linalg.vecdot(g, g)
+
+
 def sq_norms_of(captures: list[Capture]) -> list[torch.Tensor]:
-    """``sq_norms`` of each capture, with one host synchronisation in all (not one per capture): which examples'
-    ghost norms cancelled is read for every capture at once, and those examples are recomputed from their
+    """``sq_norms`` of each capture, batched: the ghost-normed ``Outer`` captures of equal steps together
+    (``_ghost_sq_norms``), the dense ones of equal size together (``_dense_sq_norms``), each in runs whose
+    temporaries fit in ``chunk_elements``; with one host synchronisation in all (not one per capture): which
+    examples' ghost norms cancelled is read for every capture at once, and those examples are recomputed from their
     materialised gradients (rare for one capture; common for a ``Combination`` whose coefficients cancel)."""
-    out: list[torch.Tensor] = []
+    out: list[torch.Tensor | None] = [None] * len(captures)
     pending: list[tuple[Outer | Combination, torch.Tensor, torch.Tensor]] = []
-    for c in captures:
-        if isinstance(c, (Outer, Combination)):
+    ghost: dict[Hashable, list[int]] = {}
+    dense: dict[Hashable, list[int]] = {}
+    grads: dict[int, torch.Tensor] = {}
+    for i, c in enumerate(captures):
+        if isinstance(c, Combination):
             c.check_unchanged()
-            sq, cancelled = _outer_sq_norms(c) if isinstance(c, Outer) else _combination_sq_norms(c)
-            if cancelled is not None:
-                pending.append((c, sq, cancelled))
+            out[i], cancelled = _combination_sq_norms(c)
+            pending.append((c, out[i], cancelled))
+        elif isinstance(c, Outer):
+            c.check_unchanged()
+            if by_materializing(c):
+                out[i] = _materialized_sq_norms(c)
+            else:
+                key = (c.steps, c.factor_temporaries(), _wide(c.right.dtype), c.device, c.batch_size)
+                ghost.setdefault(key, []).append(i)
         else:
-            g = c.materialize()
-            sq = inner_dense(g, g)
-        out.append(sq)
+            grads[i] = g = c.materialize()
+            dense.setdefault((math.prod(c.shape), _wide(g.dtype), g.device, c.batch_size), []).append(i)
+    for (steps, temporaries, _, device, batch), items in ghost.items():
+        for run in _runs(items, batch * (temporaries + 3 * steps * steps), device):
+            sq, cancelled = _ghost_sq_norms([captures[i] for i in run])
+            for k, i in enumerate(run):
+                out[i] = sq[k]
+                pending.append((captures[i], sq[k], cancelled[k]))
+    for (numel, _, device, batch), items in dense.items():
+        for run in _runs(items, batch * numel, device):
+            for i, sq in zip(run, _dense_sq_norms([grads[i] for i in run])):
+                out[i] = sq
     if pending:
         masks = torch.stack([m for _, _, m in pending]).tolist()  # the one synchronisation
         for (c, sq, _), mask in zip(pending, masks):
@@ -500,23 +601,18 @@ def sq_norms_of(captures: list[Capture]) -> list[torch.Tensor]:
 def coalesce(terms: list[tuple[float, Outer]]) -> Outer:
     """sum_k c_k G_k for one-hot captures of one parameter (an embedding table used at two points, or twice)
     as one capture whose rows are distinct within each example: its ghost norm then has no cross terms
-    between equal rows, so nothing cancels, and its weighted sum adds the same merged rows. Rows are padded
-    with (row 0, zero vector) to the largest count of distinct rows per example; float32 at least."""
-    b, rows, n = terms[0][1].batch_size, terms[0][1].rows, terms[0][1].cols
-    index = torch.cat([t.left for _, t in terms], 1)
-    right = torch.cat([_f32(t.right) * c for c, t in terms], 1)
-    key = index + rows * torch.arange(b, device=index.device).unsqueeze(1)
-    unique, inverse = torch.unique(key, return_inverse=True)  # sorted: the examples' rows are contiguous
-    merged = right.new_zeros(unique.numel(), n).index_add_(0, inverse.reshape(-1), right.reshape(-1, n))
-    example = torch.div(unique, rows, rounding_mode="floor")
-    counts = torch.bincount(example, minlength=b)
-    slot = torch.arange(unique.numel(), device=index.device) - (counts.cumsum(0) - counts)[example]
-    width = int(counts.max()) if unique.numel() else 1
-    left = index.new_zeros(b, width)
-    left[example, slot] = unique - rows * example
-    padded = right.new_zeros(b, width, n)
-    padded[example, slot] = merged
-    return Outer(left, padded, rows, terms[0][1].shape)
+    between equal rows, so nothing cancels, and its weighted sum adds the same merged rows. Its T steps (the
+    terms' together) hold an example's merged rows first, in ascending order, then (row 0, zero vector) padding;
+    float32 at least. Static shapes, no host synchronisation: each example's rows are sorted, a step starts a new
+    merged row where its row differs from the one before, and the vectors are added into their merged rows."""
+    index = _cat([t.left for _, t in terms], 1)
+    right = _cat([_f32(t.right) if c == 1.0 else _f32(t.right) * c for c, t in terms], 1)
+    ordered, order = index.sort(1)
+    merged = F.pad((ordered[:, 1:] != ordered[:, :-1]).cumsum(1), (1, 0))  # slot of the i-th smallest row
+    slot = torch.empty_like(merged).scatter_(1, order, merged)  # slot of each step
+    left = index.new_zeros(index.shape).scatter_(1, slot, index)
+    vectors = right.new_zeros(right.shape).scatter_add_(1, slot.unsqueeze(-1).expand(right.shape), right)
+    return Outer(left, vectors, terms[0][1].rows, terms[0][1].shape)
 
 
 def difference(terms: list[tuple[float, Outer]]) -> Outer | None:
@@ -526,7 +622,7 @@ def difference(terms: list[tuple[float, Outer]]) -> Outer | None:
     small where the two points are close:
         c_a A + c_b B = (c_a + c_b) A + c_b (B - A),   B - A = sum_t (l_bt - l_at) (x) r_bt + l_at (x) (r_bt - r_at).
     Exact in real arithmetic; in float32 its ghost norm's rounding error is u times these 3T steps' own norms
-    rather than the two points' (eta times larger), so the cancellation guard of ``_outer_sq_norms`` rarely
+    rather than the two points' (eta times larger), so the cancellation guard of ``_ghost_sq_norms`` rarely
     fires, and the sum by book-keeping is as accurate. None where it does not apply, or where the result would be
     normed from materialised gradients (``by_materializing``: decided from the shapes, before anything is formed)."""
     if len(terms) != 2:

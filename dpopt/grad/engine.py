@@ -200,7 +200,7 @@ class PerExampleEngine:
         if isinstance(c, Outer) and not c.indexed and (
                 self.strategy == "materialize"
                 or (self.strategy == "auto" and c.materialized_elements() <= c.held_elements())):
-            return Dense(c.materialize(), c.shape)
+            return Dense(c.materialize().to(c.dtype), c.shape)  # the norm and the sum read this one copy
         return c
 
     def _hook_gradients(self, batch: Any, b: int, point: dict[str, torch.Tensor],

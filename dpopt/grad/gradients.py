@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Callable, Collection, Iterable
 import torch
 
 from dpopt.clipping import PerExampleStatistic
-from dpopt.grad.captures import (Capture, Combination, Outer, by_materializing, chunk_elements, chunks, coalesce,
-                                 difference, inner_dense, sq_norms_of)
+from dpopt.grad.captures import (Capture, Combination, Dense, Outer, by_materializing, chunk_elements, chunks,
+                                 coalesce, dense_sums, difference, inner_dense, sq_norms_of)
 
 if TYPE_CHECKING:
     from dpopt.grad.engine import PerExampleEngine
@@ -243,6 +243,10 @@ class PerExampleGradients(PerExampleStatistic):
         self._benign.update(zip(flagged, benign))
         rows = None if everyone else keep.nonzero().squeeze(1)
         sums: list[torch.Tensor] = [torch.empty(0)] * len(self.terms)
+        # the parameters held as one dense capture (biases, norm layers' weights): summed together, a few products
+        dense = [j for j in params if len(self.terms[j]) == 1 and isinstance(self.terms[j][0][1], Dense)]
+        summed = dict(zip(dense, dense_sums([self.terms[j][0][1] for j in dense], [weights[:, j] for j in dense],
+                                            rows)))
         for j in params:
             p, shape, ts = self.engine.params[j], self.shapes[j], self.terms[j]
             dtype = self._sum_dtype(j)
@@ -256,7 +260,8 @@ class PerExampleGradients(PerExampleStatistic):
                 acc = unflat(acc)
             else:
                 for c, t in ts if rows is None or rows.numel() else []:
-                    part = (t if rows is None else t.subset(rows)).weighted_sum(w).to(dtype)  # a fresh tensor
+                    part = summed[j] if j in summed else (t if rows is None else t.subset(rows)).weighted_sum(w)
+                    part = part.to(dtype)  # a fresh tensor
                     if c != 1.0:
                         part.mul_(c)
                     acc = part if acc is None else acc.add_(part)

@@ -19,6 +19,12 @@ from dpopt.grad.captures import Capture, ConvOuter, Dense, Outer
 Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor, set[str]], dict[str, Capture]]
 
 
+def _sum(t: torch.Tensor, dims: int | tuple[int, ...]) -> torch.Tensor:
+    """``t`` summed over ``dims``, accumulated and kept in float32 for a low-precision ``t``: the norms and sums
+    of the result need no cast of it."""
+    return t.sum(dims, dtype=torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else None)
+
+
 def _linear(module: nn.Linear, x: torch.Tensor, g: torch.Tensor, wanted: set[str]) -> dict[str, Capture]:
     b = x.shape[0]
     gy = g.reshape(b, -1, module.out_features)
@@ -26,7 +32,7 @@ def _linear(module: nn.Linear, x: torch.Tensor, g: torch.Tensor, wanted: set[str
     if "weight" in wanted:
         out["weight"] = Outer(gy, x.reshape(b, -1, module.in_features), module.out_features, module.weight.shape)
     if "bias" in wanted:
-        out["bias"] = Dense(gy.sum(1), (module.out_features,))
+        out["bias"] = Dense(_sum(gy, 1), (module.out_features,))
     return out
 
 
@@ -39,7 +45,7 @@ def _transposed_linear(module: nn.Module, x: torch.Tensor, g: torch.Tensor, want
     if "weight" in wanted:
         out["weight"] = Outer(x.reshape(b, -1, fan_in), gy, fan_in, module.weight.shape)
     if "bias" in wanted:
-        out["bias"] = Dense(gy.sum(1), (fan_out,))
+        out["bias"] = Dense(_sum(gy, 1), (fan_out,))
     return out
 
 
@@ -57,10 +63,11 @@ def _conv(module: nn.Conv1d | nn.Conv2d, x: torch.Tensor, g: torch.Tensor, wante
     out: dict[str, Capture] = {}
     if "weight" in wanted:
         cap = ConvOuter(x, g, kernel, stride, dilation, padding, module.groups, module.weight.shape)
-        # with groups the gradient is block-diagonal, which the factored (ghost) form does not express
-        out["weight"] = cap if module.groups == 1 else Dense(cap.materialize(), module.weight.shape)
+        # with groups the gradient is block-diagonal, which the factored (ghost) form does not express: held in
+        # the layer's precision, its one source for norms and sums
+        out["weight"] = cap if module.groups == 1 else Dense(cap.materialize().to(g.dtype), module.weight.shape)
     if "bias" in wanted:
-        out["bias"] = Dense(g.reshape(b, c_out, -1).sum(-1), (c_out,))
+        out["bias"] = Dense(_sum(g.reshape(b, c_out, -1), -1), (c_out,))
     return out
 
 
@@ -69,7 +76,7 @@ def _embedding(module: nn.Embedding, x: torch.Tensor, g: torch.Tensor, wanted: s
     rows = x.reshape(b, -1)
     right = g.reshape(b, rows.shape[1], module.embedding_dim)
     if module.padding_idx is not None:  # F.embedding never updates the padding row
-        right = right * (rows != module.padding_idx).unsqueeze(-1).to(right.dtype)
+        right = right.masked_fill((rows == module.padding_idx).unsqueeze(-1), 0)
     return {"weight": Outer(rows, right, module.num_embeddings, module.weight.shape)} if "weight" in wanted else {}
 
 
@@ -82,9 +89,9 @@ def _affine(g: torch.Tensor, xhat: torch.Tensor, param_dims: int, shape: torch.S
         reduce = tuple(d for d in range(1, g.dim()) if d != channel_dim)
     out: dict[str, Capture] = {}
     if "weight" in wanted:
-        out["weight"] = Dense((g * xhat).sum(reduce) if reduce else g * xhat, shape)
+        out["weight"] = Dense(_sum(g * xhat, reduce) if reduce else g * xhat, shape)
     if "bias" in wanted:
-        out["bias"] = Dense(g.sum(reduce) if reduce else g, shape)
+        out["bias"] = Dense(_sum(g, reduce) if reduce else g, shape)
     return out
 
 
