@@ -80,8 +80,6 @@ def test_launches_per_added_linear_layer_are_bounded():
     assert (deep - shallow) / (DEPTHS[1] - DEPTHS[0]) <= PER_LAYER_BOUND
 
 
-@pytest.mark.xfail(strict=True, reason="ConvOuter.flat (dpopt/grad/captures.py) caps a chunk at half the capture's "
-                                       "elements: the first convolution takes 8 chunks at b16, 7 at b64 and b256")
 def test_cnn_launches_do_not_depend_on_the_batch_size():
     counts = {b: workload_count("cnn", b).launching_ops for b in (16, 64, 256)}
     assert len(set(counts.values())) == 1, counts
