@@ -360,10 +360,10 @@ class ConvOuter(Outer):
 
     def flat(self, s: slice = slice(None)) -> torch.Tensor:
         """G_i U_i^T per example (and group) for the output gradient G_i and the unfolded input U_i, C_out
-        first, then ``_patches``' column order. A chunk of examples at a time, whose unfolded input is at most
-        about half of what the capture holds (and of ``chunk_elements`` / 2), so materialising during backward adds
-        little to the step's peak memory; the batch is cut into a number of even chunks set by the per-example
-        sizes, so a step's operations do not change with the batch (until the budget binds). On CPU faster than one grouped convolution with the batch folded into
+        first, then ``_patches``' column order. A chunk of examples at a time: even chunks whose unfolded input fits
+        ``chunk_elements`` / 2 and, on a CPU, about half of what the capture holds, so materialising during
+        backward adds little to the step's peak memory; their number does not change with the batch until the
+        budget binds (a static step). On CPU faster than one grouped convolution with the batch folded into
         the groups (Rochette et al., 2019) in 10 of 12 measurements on the Tanh CNN's layers (up to 1.8x), about
         as fast in the other two (``dpopt reproduce conv_norm_cost``, three runs). In float32 at least, as
         ``Outer.materialize``."""
@@ -371,11 +371,15 @@ class ConvOuter(Outer):
         start, stop, _ = s.indices(self.batch_size)
         out = self.g.new_empty(stop - start, self.rows * self.cols, dtype=_wide(self.g.dtype))
         rows = self.rows // self.groups
-        # as many chunks as the per-example sizes ask (the same number at every batch: a static step), more only
-        # where the batch's patches would pass the device's budget
-        per_example = self.held_elements() // self.batch_size
-        count = max(math.ceil(2 * self.factor_temporaries() / per_example),
-                    math.ceil(self.batch_size * self.factor_temporaries() / (chunk_elements(self.device) // 2)))
+        # chunks of the device's budget: an accelerator's (2^23 elements) holds the Tanh CNN's patches at b256 in
+        # one chunk (two at b1024), +4-5% of its peak memory; a CPU's cache-sized budget also keeps the patches
+        # under half of what the capture holds, in a number of chunks set by the per-example sizes (the same at
+        # every batch, so a step's operations are)
+        budget = chunk_elements(self.device) // 2
+        count = math.ceil(self.batch_size * self.factor_temporaries() / budget)
+        if budget < ACCELERATOR_CHUNK_ELEMENTS // 2:
+            per_example = self.held_elements() // self.batch_size
+            count = max(count, math.ceil(2 * self.factor_temporaries() / per_example))
         cuts = {k * self.batch_size // count for k in range(1, count)}  # count even chunks of the batch
         edges = [start, *sorted(c for c in cuts if start < c < stop), stop]
         for i, j in zip(edges, edges[1:]):
