@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from dpopt.data.samplers import Sampler
+from dpopt.flat import flat_view, views
 
 
 class DataParallel:
@@ -79,19 +80,21 @@ class DataParallel:
     def sum_and_noise(self, sums: list[torch.Tensor],
                       add_noise: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> list[torch.Tensor]:
         """The global sum of every rank's ``sums`` with ``add_noise`` applied once, on rank 0; every rank
-        gets the same result (one flat buffer: a reduce to rank 0, then a broadcast)."""
+        gets the same result (one flat buffer: a reduce to rank 0, then a broadcast), as views of one flat
+        buffer. Sums that are views of one flat buffer (``dpopt.flat.zeros``) are reduced in it, not copied."""
         home = sums[0].device
         comm = self._carrier(home)
-        shapes, sizes = [s.shape for s in sums], [s.numel() for s in sums]
-        flat = torch.cat([s.reshape(-1) for s in sums]).to(comm)
+        shapes = [s.shape for s in sums]
+        flat = flat_view(sums)
+        flat = (torch.cat([s.reshape(-1) for s in sums]) if flat is None else flat).to(comm)
         dist.reduce(flat, 0)
-        views = [v.view(shape) for v, shape in zip(flat.split(sizes), shapes)]
+        parts = views(flat, shapes)
         if self.lead:
-            for v, noisy in zip(views, add_noise(views)):
+            for v, noisy in zip(parts, add_noise(parts)):
                 if noisy is not v:
                     v.copy_(noisy)
         dist.broadcast(flat, 0)
-        return [v.to(home) for v in views]
+        return views(flat.to(home), shapes)
 
     def total(self, values: Sequence[float]) -> list[float]:
         """Element-wise sum over the ranks of a few numbers (counts, losses)."""

@@ -110,7 +110,7 @@ class PrivateOptimizer:
                 raise RuntimeError("no per-example gradient was recorded: call loss.backward() before "
                                    "optimizer.step()")
         losses = grads.losses
-        self._sums, _ = self.dp.clip(grads, self._sums)
+        self._sums, _ = self.dp.privatizer.clip(grads, into=self._sums)
         self.zero_grad()  # autograd's batch gradient of this physical batch: not private
         if self._last:
             sums, self._sums = self._sums, None

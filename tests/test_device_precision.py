@@ -109,7 +109,7 @@ def test_a_step_on_cuda_is_the_cpu_step_with_noise_drawn_on_the_gpu():
     torch.testing.assert_close(_flat(sums[1]).cpu(), _flat(sums[0]), rtol=1e-4, atol=1e-5)
     stream = SecretStream(0, "noise")
     noise = stream.normals([torch.Size([5])], 3, "cuda")[0]
-    g = torch.Generator(device="cuda").manual_seed(derive_seed(stream._key, 3, 0, 0))
+    g = torch.Generator(device="cuda").manual_seed(derive_seed(stream._key, 3, 0))  # chunk 0 of step 3
     assert torch.equal(noise, torch.randn(5, generator=g, device="cuda"))  # a device generator, not a CPU copy
     (opt_cpu, res_cpu), (opt_gpu, res_gpu) = _step(cpu, data, noise=0.0), _step(gpu, data, noise=0.0)
     assert res_gpu.examples == res_cpu.examples == 12

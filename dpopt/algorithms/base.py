@@ -12,6 +12,11 @@ privatized), ``transforms`` (post-processing, free under DP) or the base update.
 With ``parallel`` (a ``dpopt.distributed.DataParallel``) the step is split across processes: each takes
 its share of the global batch, clips and sums it, and the sums meet between the clip and the noise stage
 (``DataParallel.sum_and_noise``): noise is added once, to the global sum, whatever its shape.
+
+The release costs a few operations (GPU kernel launches) whatever the number of statistic tensors: the noise is
+one draw per chunk of the flat statistic, added to the chunk's pieces by one ``torch._foreach_add_``, the division
+is one ``_foreach_div_`` (one ``div_`` for views of one flat buffer, ``dpopt.flat``), and the gradients reach the
+base optimizer as they are (one ``_foreach_copy_`` where their dtype is not their parameter's).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 from dpopt.clipping import Clipping, ClipStats, PerExampleStatistic, clip_and_sum
 from dpopt.data.samplers import PoissonSampler, Sampler, distinct_examples, take
 from dpopt.device import to_device
+from dpopt.flat import flat_view, zeros
 from dpopt.grad.engine import PerExampleEngine
 from dpopt.noise.correlated import CorrelatedNoise
 from dpopt.noise.gaussian import GaussianNoise
@@ -57,7 +63,7 @@ class Privatizer:
         """(sum_i clip(g_i) + N(0, sigma^2 C^2 I)) / normaliser of one whole batch, for statistics of the given
         shapes; ``grads=None`` is an empty batch (noise alone)."""
         if grads is None:
-            sums, stats = [torch.zeros(s, device=device) for s in shapes], ClipStats(0, 0)
+            sums, stats = zeros(shapes, torch.float32, device), ClipStats(0, 0)
         else:
             sums, stats = self.clip(grads)
         return self.release(sums, step), stats
@@ -70,14 +76,18 @@ class Privatizer:
         return clip_and_sum(grads, self.clipping, release=True, into=into)
 
     def release(self, sums: list[torch.Tensor], step: int) -> list[torch.Tensor]:
-        """Stage 4, once per logical step: (sums + noise) / normaliser, recorded in the ledger (in place)."""
+        """Stage 4, once per logical step: (sums + noise) / normaliser, recorded in the ledger (in place). Sums
+        that are views of one flat buffer (``dpopt.flat.zeros``) are noised and divided as that buffer."""
         if self.parallel is None:
             noisy = self.noise(sums, step)
         else:
             noisy = self.parallel.sum_and_noise(sums, lambda s: self.noise(s, step))
         self.ledger.record(self.noise.release(self.sampler.participation))
-        for n in noisy:
-            n.div_(self.sampler.normalizer)
+        flat = flat_view(noisy)
+        if flat is None:
+            torch._foreach_div_(noisy, self.sampler.normalizer)
+        else:
+            flat.div_(self.sampler.normalizer)
         return noisy
 
     def batch(self, step: int) -> torch.Tensor:
@@ -206,7 +216,7 @@ class DPOptimizer:
         """Stages 4-5 of a logical step: its clipped sums (``None``: an empty batch, noise alone) released once
         (noise, ledger), then post-processed by the transforms."""
         if sums is None:
-            sums = [torch.zeros(s, device=self.device) for s in self.shapes]
+            sums = zeros(self.shapes, torch.float32, self.device)
         g = self.privatizer.release(sums, self.steps)
         for t in self.transforms:
             g = t(g)
@@ -227,8 +237,8 @@ class DPOptimizer:
         if not isinstance(self.base, torch.optim.Optimizer):
             self.base.apply(grads)
             return
-        for p, g in zip(self.params, grads):
-            p.grad = g.to(p.dtype)
+        for p, g in zip(self.params, as_param_dtypes(grads, self.params)):
+            p.grad = g
         self.base.step()
         self.base.zero_grad(set_to_none=True)
 
@@ -247,3 +257,13 @@ class DPOptimizer:
             t.load_state_dict(to_device(s, self.device))
         if hasattr(self.privatizer.noise, "load_state_dict"):
             self.privatizer.noise.load_state_dict(to_device(state.get("noise", {}), self.device))
+
+
+def as_param_dtypes(grads: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``grads`` in their parameters' dtypes: the same tensors where they match; the others converted by one
+    ``_foreach_copy_``."""
+    out = [g if g.dtype == p.dtype else torch.empty_like(g, dtype=p.dtype) for g, p in zip(grads, params)]
+    todo = [(o, g) for o, g in zip(out, grads) if o is not g]
+    if todo:
+        torch._foreach_copy_([o for o, _ in todo], [g for _, g in todo])
+    return out

@@ -9,18 +9,27 @@
   secure mode (no key) every draw is read from the OS entropy pool and nothing about it is stored. Streams
   are counter-based: the draw for step t depends only on (key, label, t), so a resumed run reproduces an
   uninterrupted one without saving generator states.
+
+Noise (``SecretStream.add_normal_flat_``) is defined on the flat statistic: the concatenation of its tensors
+in order, flattened, cut into chunks of ``NOISE_CHUNK`` elements, chunk j drawn from a generator keyed by
+(key, label, step, j). A coordinate's noise therefore depends on the key, the step and its flat index (and the
+statistic's length, which sets the last chunk's): a shard holding a coordinate range can draw exactly its part
+by drawing only the chunks that overlap it, and the list form ``add_normal_`` is the same draw.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import math
 import os
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from dpopt.flat import flat_view, zeros
 
 
 def derive_seed(seed: int | bytes, *labels: object) -> int:
@@ -72,36 +81,74 @@ class SecretStream:
         return torch.rand(n, generator=self.generator(step), dtype=torch.float64)
 
     def add_normal_(self, tensors: list[torch.Tensor], step: int, std: float = 1.0) -> list[torch.Tensor]:
-        """Adds ``std`` times standard normal noise to each tensor in place and returns them.
-
-        The draw is cut into chunks of ``NOISE_CHUNK`` elements, chunk j of tensor i drawn from its own
-        generator keyed by (step, i, j): the values depend on nothing else (not on the thread count), the
-        chunks are drawn in parallel on CPU, and no model-sized temporary is ever allocated."""
-        if self.secure:  # float64 noise added in float64, then rounded once (floating-point attacks: docs/design.md)
-            for t in tensors:  # non_blocking: the host copy is staged at once; no wait for the device per tensor
-                t.add_(_os_normal(t.numel()).view(t.shape).to(t.device, non_blocking=True), alpha=std)
+        """Adds ``std`` times the step's standard normal noise to ``tensors`` in place and returns them: the
+        statistic is their concatenation in order (flattened), drawn as ``add_normal_flat_`` draws it: one draw
+        per chunk, added to the chunk's pieces of the tensors by one operation (views of one flat buffer,
+        ``dpopt.flat.zeros``, are one piece). No model-sized temporary."""
+        flat = flat_view(tensors)
+        if flat is not None:
+            self.add_normal_flat_(flat, step, std)
             return tensors
-        jobs = [(i, j, t.view(-1)[a:a + NOISE_CHUNK]) for i, t in enumerate(tensors)
-                for j, a in enumerate(range(0, t.numel(), NOISE_CHUNK))]
-
-        def draw(part: list[tuple[int, int, torch.Tensor]]) -> None:
-            for i, j, view in part:
-                g = torch.Generator(device=view.device)
-                g.manual_seed(derive_seed(self._key, step, i, j))
-                view.add_(torch.randn(view.shape, generator=g, device=view.device, dtype=torch.float32).to(view.dtype),
-                          alpha=std)
-
-        workers = min(torch.get_num_threads(), len(jobs))
-        if workers > 1 and all(t.device.type == "cpu" for t in tensors):
-            list(_pool(workers).map(draw, [jobs[k::workers] for k in range(workers)]))
-        else:
-            draw(jobs)
+        starts = itertools.accumulate((t.numel() for t in tensors), initial=0)
+        self._add(list(zip(starts, (t.view(-1) for t in tensors))), sum(t.numel() for t in tensors), step, std)
         return tensors
+
+    def add_normal_flat_(self, flat: torch.Tensor, step: int, std: float = 1.0, offset: int = 0,
+                         total: int | None = None) -> torch.Tensor:
+        """Adds ``std`` times the noise of coordinates [offset, offset + flat.numel()) of a flat statistic of
+        ``total`` elements (default: offset + flat.numel()) to the 1-D tensor ``flat`` in place: exactly that
+        slice of the whole statistic's draw (what a shard of the statistic needs), drawing only the chunks
+        that overlap it.
+
+        The statistic is cut into chunks of ``NOISE_CHUNK`` elements; chunk j, of min(NOISE_CHUNK, total -
+        j * NOISE_CHUNK) elements, is drawn (float32) from its own generator keyed by (step, j): the values
+        depend on nothing else (not on the thread count), and the chunks are drawn in parallel on CPU."""
+        total = offset + flat.numel() if total is None else total
+        if flat.dim() != 1 or offset < 0 or offset + flat.numel() > total:
+            raise ValueError(f"a 1-D slice [{offset}, {offset + flat.numel()}) of a statistic of {total} elements "
+                             f"is needed, got shape {tuple(flat.shape)}")
+        self._add([(offset, flat)], total, step, std)
+        return flat
+
+    def _add(self, segments: list[tuple[int, torch.Tensor]], total: int, step: int, std: float) -> None:
+        """Adds the noise of each (start coordinate, 1-D tensor) segment of a statistic of ``total`` elements."""
+        jobs: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for start, seg in segments:
+            for a in range(start - start % NOISE_CHUNK, start + seg.numel(), NOISE_CHUNK):
+                lo, hi = max(a, start), min(a + NOISE_CHUNK, start + seg.numel())
+                jobs.setdefault(a // NOISE_CHUNK, []).append((lo, seg[lo - start:hi - start]))
+
+        def draw(part: list[tuple[int, list[tuple[int, torch.Tensor]]]]) -> None:
+            for j, pieces in part:
+                lo = pieces[0][0]
+                noise = self._chunk(j, step, total, lo, pieces[-1][0] + pieces[-1][1].numel(), pieces[0][1].device)
+                # one operation for the chunk's pieces; secure mode: float64 noise added in float64, rounded once
+                torch._foreach_add_([piece for _, piece in pieces],
+                                    [noise[start - lo:start - lo + piece.numel()] for start, piece in pieces], alpha=std)
+
+        work = sorted(jobs.items())
+        workers = min(torch.get_num_threads(), len(work))
+        if workers > 1 and all(seg.device.type == "cpu" for _, seg in segments):
+            list(_pool(workers).map(draw, [work[k::workers] for k in range(workers)]))
+        else:
+            draw(work)
+
+    def _chunk(self, j: int, step: int, total: int, lo: int, hi: int, device: torch.device) -> torch.Tensor:
+        """The noise of coordinates [lo, hi) of chunk ``j``: a slice of the chunk's keyed float32 draw, or, in
+        secure mode, float64 OS-entropy normals (non_blocking: the host copy is staged, no wait for the device)."""
+        if self.secure:
+            return _os_normal(hi - lo).to(device, non_blocking=True)
+        g = torch.Generator(device=device)
+        g.manual_seed(derive_seed(self._key, step, j))
+        a = j * NOISE_CHUNK
+        noise = torch.randn(min(NOISE_CHUNK, total - a), generator=g, device=device, dtype=torch.float32)
+        return noise[lo - a:hi - a]
 
     def normals(self, shapes: list[torch.Size], step: int, device: torch.device | str = "cpu",
                 dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
-        """Standard normal tensors of the given shapes: exactly what ``add_normal_`` adds at this step."""
-        return self.add_normal_([torch.zeros(s, device=device, dtype=dtype) for s in shapes], step)
+        """Standard normal tensors of the given shapes (views of one flat buffer): exactly what ``add_normal_``
+        adds at this step."""
+        return self.add_normal_(zeros(shapes, dtype, device), step)
 
 
 # Elements per independently seeded noise chunk (part of the stream's definition: changing it changes the draws).
