@@ -18,15 +18,15 @@ from dpopt import bench, launches
 from dpopt.cli import main
 from dpopt.grad import captures
 
-# dpopt's launching operations per step, at most: each bound is the measured count on commit 6be21b0.
+# dpopt's launching operations per step, at most: each bound is the measured count (docs/performance.md).
 LAUNCH_BOUNDS = {
-    "cnn b64": 193,  # measured count 193 (PyTorch: 32)
-    "mlp depth 8 b64": 264,  # measured count 264 (PyTorch: 55)
-    "bert b4 s16": 1623,  # measured count 1623 (PyTorch: 452)
+    "cnn b64": 129,  # PyTorch: 32
+    "mlp depth 8 b64": 146,  # PyTorch: 55
+    "bert b4 s16": 792,  # PyTorch: 452
 }
 # Extra launching operations per added Linear + Tanh (MLP of depth 8 vs 2, width 64), at most: the measured count
-# (264 - 108) / 6 = 26 (PyTorch: 6).
-PER_LAYER_BOUND = 26
+# (146 - 89) / 6 = 9.5 (PyTorch: 6).
+PER_LAYER_BOUND = 9.5
 DEPTHS = (2, 8)
 
 
