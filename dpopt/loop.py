@@ -203,8 +203,9 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | str, data:
     logical batches of expected size ``batch_size`` at (``epsilon``, ``delta``), or at ``noise_multiplier``.
     ``optimizer``: a torch optimizer over the model's trainable parameters (DP-SGD's mechanism: Poisson batches,
     iid Gaussian noise), or a recipe's name (with its tuned defaults, or ``hp``), whose mechanism is the one
-    ``dpopt train`` runs under that name (``PrivacyPlan``); ``noise`` and ``sampling`` override it. ``loss_fn(model, batch) -> [B]`` is the per-example loss the loop averages
-    (``loss_reduction="mean"``) or sums (``"sum"``) before its backward; the attribution check runs it. A
+    ``dpopt train`` runs under that name (``PrivacyPlan``); ``noise`` and ``sampling`` override it.
+    ``loss_fn(model, batch) -> [B]`` is the per-example loss the loop averages (``loss_reduction="mean"``) or
+    sums (``"sum"``) before its backward; the attribution check runs it. A
     closure given to ``optimizer.step`` returns the per-example losses [B] whatever ``loss_reduction``.
     ``steps``: the number of logical steps the noise is calibrated for, if not ``ceil(epochs * steps per
     epoch)``. ``collate_fn`` makes a batch of a map-style dataset's examples. The secret key is fresh OS

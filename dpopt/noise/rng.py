@@ -123,8 +123,8 @@ class SecretStream:
                 lo = pieces[0][0]
                 noise = self._chunk(j, step, total, lo, pieces[-1][0] + pieces[-1][1].numel(), pieces[0][1].device)
                 # one operation for the chunk's pieces; secure mode: float64 noise added in float64, rounded once
-                torch._foreach_add_([piece for _, piece in pieces],
-                                    [noise[start - lo:start - lo + piece.numel()] for start, piece in pieces], alpha=std)
+                parts = [noise[start - lo:start - lo + piece.numel()] for start, piece in pieces]
+                torch._foreach_add_([piece for _, piece in pieces], parts, alpha=std)
 
         work = sorted(jobs.items())
         workers = min(torch.get_num_threads(), len(work))
