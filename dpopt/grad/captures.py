@@ -372,7 +372,7 @@ class ConvOuter(Outer):
         out = self.g.new_empty(stop - start, self.rows * self.cols, dtype=_wide(self.g.dtype))
         rows = self.rows // self.groups
         # chunks of the device's budget: an accelerator's (2^23 elements) holds the Tanh CNN's patches at b256 in
-        # one chunk (two at b1024), +4-5% of its peak memory; a CPU's cache-sized budget also keeps the patches
+        # one chunk (two at b1024), 1.07-1.08x PyTorch's peak memory; a CPU's cache-sized budget also keeps the patches
         # under half of what the capture holds, in a number of chunks set by the per-example sizes (the same at
         # every batch, so a step's operations are)
         budget = chunk_elements(self.device) // 2
