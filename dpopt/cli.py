@@ -15,7 +15,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
-from dpopt.algorithms import ALGORITHMS, DEFAULT_NOISE, DEFAULT_SAMPLING, DEFAULTS, NON_PRIVATE, Hyperparameters
+from dpopt.algorithms import (ALGORITHMS, DEFAULT_NOISE, DEFAULT_SAMPLING, DEFAULT_TREE_DECODER, DEFAULTS, NON_PRIVATE,
+                              applies_to, hyperparameters_for)
+from dpopt.algorithms.hyperparameters import all_fields
 from dpopt.checkpoint import CHECKPOINT, CheckpointError, check_writable, claim_run_folder, load_checkpoint
 from dpopt.clipping import CLIP_MODES
 from dpopt.data.datasets import (DATASET_EPOCHS, DATASET_MODEL, DATASETS, DEFAULT_EPOCHS, DEFAULT_MODEL,
@@ -26,7 +28,7 @@ from dpopt.distributed import DataParallel, from_environment, launch
 from dpopt.extras import MissingExtra
 from dpopt.grad.engine import MODES, STRATEGIES
 from dpopt.models import MODEL_TRAINABLE, MODELS, check_model
-from dpopt.noise.mechanisms import NOISES
+from dpopt.noise.mechanisms import NOISES, TREE_DECODERS, WORKLOADS
 from dpopt.privacy import (AccountingError, CyclicPoissonSampling, FixedParticipation, GaussianRelease, PoissonSampling,
                            Relation, epsilon_of, noise_multiplier_for)
 from dpopt.report import CURVES, LOG, TENSORBOARD
@@ -97,6 +99,16 @@ def _defaults_text(name: str, default: Any) -> str:
     return "; ".join([f"default: {shown(default)}", *(f"{shown(v)} for {', '.join(a)}" for v, a in own.items())])
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _applies_text(name: str) -> str:
+    """'dp-adam, dp-adamw, ...': the recipes whose hyper-parameters include ``name`` (all: no text)."""
+    users = applies_to(name)
+    return "every algorithm" if len(users) == len(ALGORITHMS) else ", ".join(users)
+
+
 def _own_noise_text() -> str:
     """'tree: dp-ftrl, dp-srgd; mf: dp-memf': the recipes whose own noise is correlated, by mechanism."""
     own: dict[str, list[str]] = {}
@@ -148,9 +160,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     add_device_arguments(p, d.device, precision=d.precision)
     p.add_argument("--clip", type=float, default=d.clip, help="per-example clip norm C")
     p.add_argument("--clipping", default=d.clipping, choices=CLIP_MODES)
-    for f in dataclasses.fields(Hyperparameters):  # default None: the algorithm's own (for_algorithm)
+    for f in all_fields().values():  # default None: the algorithm's own (hyperparameters_for)
         default = f.default
-        flag, text = "--" + f.name.replace("_", "-"), f"{f.metadata['help']} ({_defaults_text(f.name, default)})"
+        flag = _flag(f.name)
+        text = f"{f.metadata['help']} ({_applies_text(f.name)}; {_defaults_text(f.name, default)})"
         if isinstance(default, tuple):
             p.add_argument(flag, type=type(default[0]), nargs=len(default), help=text)
         elif isinstance(default, bool):
@@ -169,12 +182,21 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sampling", default=d.sampling, choices=["auto", *SAMPLINGS],
                    help="poisson (amplified accounting), cyclic (Poisson within --bands groups taken in turn: "
                    "amplified, for gaussian or banded noise) or shuffle/fixed (accounted without amplification); "
-                   f"auto: cyclic for {', '.join(sorted(DEFAULT_SAMPLING))} with their own noise at an --epsilon "
-                   "(amplified BandMF), poisson for gaussian noise, fixed for other correlated noise")
+                   f"auto: cyclic for {', '.join(sorted(DEFAULT_SAMPLING))} with their own noise (amplified BandMF), "
+                   "poisson for gaussian noise, fixed for other correlated noise")
     p.add_argument("--noise", default=d.noise, choices=["auto", *NOISES],
                    help="noise mechanism: gaussian (iid) or correlated (tree, sqrt, banded, mf; need fixed-order "
                    f"batches, or cyclic sampling for banded/sqrt); auto: the algorithm's own ({_own_noise_text()}; "
                    "banded under cyclic sampling; others: gaussian)")
+    p.add_argument("--bands", type=int, default=d.bands,
+                   help="bands of --noise banded/sqrt/mf, and the period of --sampling cyclic (0: one epoch's steps "
+                        "for banded, all for sqrt; under cyclic sampling, chosen for the privacy target)")
+    p.add_argument("--workload", default=d.workload, choices=WORKLOADS,
+                   help="what an optimised factorization (--noise mf, banded) targets: ones (prefix sums) or true "
+                        "(with --momentum and, for dp-srg-memf, --decay)")
+    p.add_argument("--tree-decoder", choices=TREE_DECODERS,
+                   help="--noise tree: sum (dyadic decomposition) or least-squares (default: sum; "
+                        + ", ".join(f"{v} for {a}" for a, v in sorted(DEFAULT_TREE_DECODER.items())) + ")")
     p.add_argument("--accountant", default=d.accountant, choices=["pld", "rdp"])
     p.add_argument("--relation", default=d.relation, choices=[r.value for r in Relation])
     p.add_argument("--per-example", default=d.per_example, choices=MODES,
@@ -370,7 +392,8 @@ def _given(argv: list[str]) -> set[str]:
 
 def _resume_differences(args: argparse.Namespace, given: set[str], saved: TrainConfig) -> list[str]:
     """The flags given beside --resume whose values differ from the run's, as '--flag value (the run has x)'."""
-    run = {**dataclasses.asdict(saved.hp), **{f.name: getattr(saved, f.name) for f in dataclasses.fields(saved)},
+    run = {**dataclasses.asdict(saved.hyperparameters),
+           **{f.name: getattr(saved, f.name) for f in dataclasses.fields(saved)},
            "out": args.resume, "overwrite": False}
     differences = []
     for name in sorted(given - FREE_ON_RESUME):
@@ -400,14 +423,13 @@ def _train(args: argparse.Namespace) -> int:
         extended(saved, epochs, saved_steps_per_epoch(state))  # refuses before anything starts
         check_writable(args.resume)
     else:
-        fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"hp"}
+        fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"hyperparameters"}
         values = {k: v for k, v in vars(args).items() if k in fields}
         if (values["epsilon"] is None and values["noise_multiplier"] is None
                 and values["algorithm"] not in NON_PRIVATE):
             values["epsilon"] = DEFAULT_EPSILON
-        hp = Hyperparameters.for_algorithm(args.algorithm, **{f.name: getattr(args, f.name)
-                                                              for f in dataclasses.fields(Hyperparameters)})
-        config = TrainConfig(**values, hp=hp)
+        hp = hyperparameters_for(args.algorithm, _flag, **{name: getattr(args, name) for name in all_fields()})
+        config = TrainConfig(**values, hyperparameters=hp)
         config.validate()
         if args.out is not None:
             resumable = (Path(args.out) / CHECKPOINT).is_file()  # a federated run's folder has none

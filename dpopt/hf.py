@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable
 
 import torch
@@ -31,11 +31,11 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler, Subset
 from transformers import Trainer
 
-from dpopt.algorithms import Hyperparameters
+from dpopt.algorithms import CONFIGS, Hyperparameters, hyperparameters_for
 from dpopt.algorithms.base import DPOptimizer
 from dpopt.checkpoint import write_atomic
 from dpopt.grad.batch import batch_size_of
-from dpopt.loop import load_private_state, make_private, private_state
+from dpopt.loop import PrivateOptimizer, make_private
 from dpopt.noise.rng import secret_key
 from dpopt.privacy import PrivacyLedger
 
@@ -57,6 +57,9 @@ class PrivacyArguments:
     algorithm: str | None = None
     noise: str = "auto"  # the recipe's mechanism (PrivacyPlan), or another: gaussian, tree, mf, banded, ...
     sampling: str = "auto"  # the recipe's sampling (PrivacyPlan), or poisson, cyclic, shuffle, fixed
+    bands: int = 0  # banded noise's bands and cyclic sampling's period (0: chosen)
+    workload: str = "ones"  # what an optimised factorization targets: ones, or true (the recipe's momentum)
+    tree_decoder: str | None = None  # tree noise's decoder (None: the recipe's)
     accountant: str = "pld"
     secret_seed: int | None = None
     hyperparameters: dict[str, Any] = field(default_factory=dict)  # a recipe's others, e.g. {"rank": 4}
@@ -107,18 +110,14 @@ class _LogicalBatches(Sampler[list[int]]):
             yield dp.privatizer.batch(step).tolist()
 
 
-class _PrivateUpdate(torch.optim.Optimizer):
-    """The optimizer the Trainer holds: ``step()`` is the update of a logical step whose release
+class _PrivateUpdate(PrivateOptimizer):
+    """The ``PrivateOptimizer`` the Trainer holds: ``step()`` is the update of a logical step whose release
     ``training_step`` made (``DPOptimizer.apply``), with the released gradient in ``.grad`` (so the Trainer's
     ``max_grad_norm`` and logged ``grad_norm`` see it), or in ``released`` where it has other shapes than the
-    parameters (DP-GRAPE's projections, DPZero's scalar). It shares a torch base's parameter groups, so the
-    Trainer's schedule sets their learning rate; a recipe's own update reads it from the first group."""
+    parameters (DP-GRAPE's projections, DPZero's scalar). The Trainer's schedule sets the learning rate."""
 
-    def __init__(self, dp: DPOptimizer, lr: float, key: int | bytes) -> None:
-        super().__init__(dp.params, {"lr": lr})
-        if isinstance(dp.base, torch.optim.Optimizer):
-            self.param_groups, self.state, self.defaults = dp.base.param_groups, dp.base.state, dp.base.defaults
-        self.dp, self.key = dp, key
+    def __init__(self, dp: DPOptimizer, key: int | bytes, delta: float) -> None:
+        super().__init__(dp, True, key, delta)
         self.released: list[torch.Tensor] | None = None
 
     def hold(self, g: list[torch.Tensor]) -> None:
@@ -134,16 +133,8 @@ class _PrivateUpdate(torch.optim.Optimizer):
         g, self.released = self.released, None
         if g is None:
             g = [p.grad for p in self.dp.params]
-        if hasattr(self.dp.base, "lr"):
-            self.dp.base.lr = self.param_groups[0]["lr"]
+        self._set_lr()
         self.dp.apply(g)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The optimizer, the ledger and the secret key: a Trainer checkpoint resumes exactly, and is private."""
-        return private_state(self.dp, self.key)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.key = load_private_state(self.dp, state)
 
 
 class PrivateTrainer(Trainer):
@@ -174,9 +165,9 @@ class PrivateTrainer(Trainer):
             raise RuntimeError("nothing is accounted before train()")
         return self.dp.privatizer.ledger
 
-    def epsilon(self) -> float:
-        """The epsilon spent so far, at ``PrivacyArguments.delta``."""
-        return self.ledger.epsilon(self.privacy.delta)
+    def epsilon(self, delta: float | None = None) -> float:
+        """The epsilon spent so far, at ``delta`` (None: ``PrivacyArguments.delta``)."""
+        return self.ledger.epsilon(self.privacy.delta if delta is None else delta)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
         if self.dp is not None and not resume_from_checkpoint:
@@ -201,26 +192,27 @@ class PrivateTrainer(Trainer):
     def _make_private(self, dataset: Any, collate: Callable[[list], Any]) -> None:
         key = secret_key(self.privacy.secret_seed)  # a resumed run loads its own with the optimizer's state
         self.optimizer, self.lr_scheduler = self._given  # a resumed train() builds afresh, then loads the state
-        algorithm = self.privacy.algorithm or super().create_optimizer()
         p = self.privacy
         _, private, _ = make_private(
-            self.model, algorithm, Subset(dataset, range(len(dataset))), self.per_example_loss,  # a list too
-            batch_size=p.batch_size, epochs=self.args.num_train_epochs,
-            steps=self.args.max_steps if self.args.max_steps > 0 else None, epsilon=p.epsilon,
-            noise_multiplier=p.noise_multiplier, delta=p.delta, clip=p.clip, clipping=p.clipping, noise=p.noise,
-            sampling=p.sampling,
+            self.model, None if p.algorithm else super().create_optimizer(), Subset(dataset, range(len(dataset))),
+            self.per_example_loss, algorithm=p.algorithm, batch_size=p.batch_size,  # Subset: a list too
+            epochs=self.args.num_train_epochs, steps=self.args.max_steps if self.args.max_steps > 0 else None,
+            epsilon=p.epsilon, noise_multiplier=p.noise_multiplier, delta=p.delta, clip=p.clip, clipping=p.clipping,
+            noise=p.noise, sampling=p.sampling, bands=p.bands, workload=p.workload, tree_decoder=p.tree_decoder,
             physical_batch_size=self.args.per_device_train_batch_size, accountant=p.accountant, secret_seed=key,
-            hp=self._recipe_hyperparameters(), collate_fn=collate)
+            hyperparameters=self._recipe_hyperparameters(), collate_fn=collate)
         self.dp = private.dp
-        self.optimizer = self._update = _PrivateUpdate(self.dp, self.args.learning_rate, key)
+        self.optimizer = self._update = _PrivateUpdate(self.dp, key, p.delta)
 
     def _recipe_hyperparameters(self) -> Hyperparameters | None:
-        """A recipe's defaults with the Trainer's learning rate and weight decay (None for the Trainer's own
-        optimizer, which reads them itself)."""
+        """A recipe's defaults with the Trainer's learning rate (and weight decay, where the recipe has one) under
+        ``PrivacyArguments.hyperparameters`` (None for the Trainer's own optimizer, which reads them itself)."""
         if self.privacy.algorithm is None:
             return None
-        return replace(Hyperparameters.for_algorithm(self.privacy.algorithm), lr=self.args.learning_rate,
-                       weight_decay=self.args.weight_decay, **self.privacy.hyperparameters)
+        trainer = {"lr": self.args.learning_rate}
+        if "weight_decay" in {f.name for f in fields(CONFIGS[self.privacy.algorithm])}:
+            trainer["weight_decay"] = self.args.weight_decay
+        return hyperparameters_for(self.privacy.algorithm, **{**trainer, **self.privacy.hyperparameters})
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if self.dp is None:

@@ -1,5 +1,5 @@
-"""One call for a plain PyTorch loop: ``make_private`` turns a model, a torch optimizer (or a
-recipe's name), a dataset and a privacy target into what a PyTorch user already drives::
+"""One call for a plain PyTorch loop: ``make_private`` turns a model, a torch optimizer (or a recipe,
+``algorithm=``), a dataset and a privacy target into what a PyTorch user already drives::
 
     model, optimizer, batches = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset,
                                              loss_fn, epsilon=3.0, epochs=5, batch_size=512,
@@ -9,7 +9,7 @@ recipe's name), a dataset and a privacy target into what a PyTorch user already 
             optimizer.zero_grad()
             loss_fn(model, batch).mean().backward()    # the mean of per-example losses (or their sum)
             optimizer.step()                           # one release after a logical batch's last physical one
-    print(optimizer.epsilon(1e-5))
+    print(optimizer.epsilon())                         # at the run's delta
 
 It is ``DPOptimizer.step`` split at the caller's backward, not a second engine: the engine records each
 physical batch's per-example gradients during ``loss.backward()`` (``PerExampleEngine.record``),
@@ -40,12 +40,13 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.data import Dataset, default_collate
 
-from dpopt.algorithms import Hyperparameters, build_algorithm
+from dpopt.algorithms import Hyperparameters, build_algorithm, hyperparameters_for
 from dpopt.algorithms.base import DPOptimizer
 from dpopt.data.samplers import take
 from dpopt.device import to_device
 from dpopt.grad.batch import Closure, LossFn
 from dpopt.grad.engine import PerExampleEngine
+from dpopt.names import renamed
 from dpopt.noise.rng import SecretStream, secret_key
 from dpopt.plan import PrivacyPlan
 from dpopt.privacy import PrivacyLedger, privacy_statement
@@ -53,13 +54,18 @@ from dpopt.privacy import PrivacyLedger, privacy_statement
 _log = logging.getLogger("dpopt")  # what the plan chose (a cyclic period, a calibrated noise multiplier)
 
 
-class PrivateOptimizer:
+class PrivateOptimizer(torch.optim.Optimizer):
     """What the loop calls ``optimizer``: ``zero_grad()`` and ``step()`` after each physical batch's backward,
     or ``step(closure)``. The gradients autograd leaves in ``.grad`` are not private and are discarded; the
-    update uses the release."""
+    update uses the release. It shares a torch base's parameter groups (a recipe's own update reads the first
+    group's ``lr``), so ``torch.optim.lr_scheduler`` schedules it as any torch optimizer."""
 
-    def __init__(self, dp: DPOptimizer, mean: bool, key: int | bytes) -> None:
-        self.dp, self.mean, self.key = dp, mean, key
+    def __init__(self, dp: DPOptimizer, mean: bool, key: int | bytes, delta: float) -> None:
+        lr = getattr(dp.base, "lr", None)
+        super().__init__(dp.params, {} if lr is None else {"lr": lr})
+        if isinstance(dp.base, torch.optim.Optimizer):
+            self.param_groups, self.state, self.defaults = dp.base.param_groups, dp.base.state, dp.base.defaults
+        self.dp, self.mean, self.key, self.delta = dp, mean, key, delta
         self.needs_closure = dp._statistic is not None  # the recipe evaluates the loss itself, several times
         self._size: int | None = None  # the physical batch handed out and not stepped yet
         self._recording: Any = None
@@ -70,8 +76,14 @@ class PrivateOptimizer:
     def ledger(self) -> PrivacyLedger:
         return self.dp.privatizer.ledger
 
-    def epsilon(self, delta: float) -> float:
-        return self.ledger.epsilon(delta)
+    def epsilon(self, delta: float | None = None) -> float:
+        """The epsilon spent so far, at ``delta`` (None: the run's)."""
+        return self.ledger.epsilon(self.delta if delta is None else delta)
+
+    def _set_lr(self) -> None:
+        """A recipe's own update (not a torch optimizer) takes the first group's ``lr``, which a scheduler sets."""
+        if hasattr(self.dp.base, "lr") and "lr" in self.param_groups[0]:
+            self.dp.base.lr = self.param_groups[0]["lr"]
 
     def begin(self, size: int, last: bool) -> None:
         """A physical batch of ``size`` examples is handed to the loop (``last``: of its logical batch)."""
@@ -114,6 +126,7 @@ class PrivateOptimizer:
         self.zero_grad()  # autograd's batch gradient of this physical batch: not private
         if self._last:
             sums, self._sums = self._sums, None
+            self._set_lr()
             self.dp.finish(sums)
         return losses
 
@@ -130,9 +143,10 @@ class PrivateOptimizer:
         its own key (the same batches and noise as uninterrupted) and its ledger."""
         self.key = load_private_state(self.dp, state)
 
-    def statement(self, delta: float) -> str:
-        """The privacy statement of the releases so far, at ``delta``."""
-        return privacy_statement(self.ledger, delta, self.dp.privatizer.sampler.dataset_size,
+    def statement(self, delta: float | None = None) -> str:
+        """The privacy statement of the releases so far, at ``delta`` (None: the run's)."""
+        return privacy_statement(self.ledger, self.delta if delta is None else delta,
+                                 self.dp.privatizer.sampler.dataset_size,
                                  randomness="secret-seed" if isinstance(self.key, int) else "os-entropy-key")
 
 
@@ -191,19 +205,24 @@ def _indexable(data: Any, collate_fn: Callable[[list], Any] = default_collate) -
     return data, leaves[0].shape[0]
 
 
-def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | str, data: Any, loss_fn: LossFn, *,
-                 batch_size: int, epochs: float = 1, steps: int | None = None, epsilon: float | None = None,
-                 noise_multiplier: float | None = None, delta: float = 1e-5, clip: float = 1.0,
-                 clipping: str = "flat", physical_batch_size: int | None = None, loss_reduction: str = "mean",
-                 noise: str = "auto", sampling: str = "auto", accountant: str = "pld", relation: str = "add-remove",
-                 secret_seed: int | bytes | None = None, hp: Hyperparameters | None = None,
+@renamed(hp="hyperparameters")
+def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | None, data: Any, loss_fn: LossFn, *,
+                 algorithm: str | None = None, batch_size: int, epochs: float = 1, steps: int | None = None,
+                 epsilon: float | None = None, noise_multiplier: float | None = None, delta: float = 1e-5,
+                 clip: float = 1.0, clipping: str = "flat", physical_batch_size: int | None = None,
+                 loss_reduction: str = "mean", noise: str = "auto", sampling: str = "auto", bands: int = 0,
+                 workload: str = "ones", tree_decoder: str | None = None, accountant: str = "pld",
+                 relation: str = "add-remove", secret_seed: int | bytes | None = None,
+                 hyperparameters: Hyperparameters | dict[str, Any] | None = None,
                  collate_fn: Callable[[list], Any] = default_collate) -> tuple[nn.Module, PrivateOptimizer,
                                                                                PrivateBatches]:
     """The model, a ``PrivateOptimizer`` and the ``PrivateBatches`` of one epoch, for ``epochs`` epochs of
     logical batches of expected size ``batch_size`` at (``epsilon``, ``delta``), or at ``noise_multiplier``.
     ``optimizer``: a torch optimizer over the model's trainable parameters (DP-SGD's mechanism: Poisson batches,
-    iid Gaussian noise), or a recipe's name (with its tuned defaults, or ``hp``), whose mechanism is the one
-    ``dpopt train`` runs under that name (``PrivacyPlan``); ``noise`` and ``sampling`` override it.
+    iid Gaussian noise, and that optimizer's update); or None and ``algorithm``, a recipe's name, with its tuned
+    defaults and ``hyperparameters`` on top (its family's config, or a dict of its fields), whose mechanism is the
+    one ``dpopt train`` runs under that name (``PrivacyPlan``). ``noise``, ``sampling``, ``bands``, ``workload``
+    and ``tree_decoder`` shape the mechanism as ``dpopt train``'s flags of the same names.
     ``loss_fn(model, batch) -> [B]`` is the per-example loss the loop averages (``loss_reduction="mean"``) or
     sums (``"sum"``) before its backward; the attribution check runs it. A
     closure given to ``optimizer.step`` returns the per-example losses [B] whatever ``loss_reduction``.
@@ -213,23 +232,43 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | str, data:
     checkpoint kept, to resume)."""
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+    hyperparameters = _recipe(optimizer, algorithm, hyperparameters)
     data, n = _indexable(data, collate_fn)
     engine = PerExampleEngine(model, loss_fn)
     key = secret_key(secret_seed)
-    algorithm = optimizer if isinstance(optimizer, str) else "dp-sgd"
-    plan = PrivacyPlan(algorithm, n, batch_size, epochs, steps, epsilon, noise_multiplier, delta, clip, clipping,
-                       noise, sampling, accountant, relation, hp=hp).resolved(_log.info)
+    plan = PrivacyPlan(algorithm or "dp-sgd", n, batch_size, epochs, steps, epsilon, noise_multiplier, delta, clip,
+                       clipping, noise, sampling, bands, workload, tree_decoder, accountant, relation,
+                       hyperparameters=hyperparameters).resolved(_log.info)
     privatizer = plan.make(key, _log.info)
-    if isinstance(optimizer, str):
-        dp = build_algorithm(optimizer, engine, privatizer, plan.hp.for_run(plan.total_steps(privatizer.sampler)))
+    if optimizer is None:
+        hp = plan.hyperparameters.for_run(plan.total_steps(privatizer.sampler))
+        dp = build_algorithm(plan.algorithm, engine, privatizer, hp)
     else:
         _check_optimizer(optimizer, engine)
         dp = DPOptimizer(engine, privatizer, optimizer)
     dp.physical_batch_size = physical_batch_size
     if not dp.verified:  # as DPOptimizer.step: not for a statistic that is no per-example gradient (zeroth-order)
         dp.verify(data)
-    private = PrivateOptimizer(dp, loss_reduction == "mean", key)
+    private = PrivateOptimizer(dp, loss_reduction == "mean", key, delta)
     return model, private, PrivateBatches(dp, data, private)
+
+
+def _recipe(optimizer: torch.optim.Optimizer | None, algorithm: str | None,
+            hyperparameters: Hyperparameters | dict[str, Any] | None) -> Hyperparameters | None:
+    """The recipe's hyper-parameters (None: the optimizer's own update), refusing what does not fit together."""
+    if isinstance(optimizer, str):
+        raise TypeError(f"make_private takes a recipe as algorithm=: make_private(model, None, data, loss_fn, "
+                        f"algorithm={optimizer!r}, ...)")
+    if (optimizer is None) == (algorithm is None):
+        raise ValueError("give a torch optimizer (DP-SGD's mechanism with its update) or, with None in its place, "
+                         "algorithm= (a recipe's name), not both")
+    if optimizer is not None:
+        if hyperparameters is not None:
+            raise ValueError("hyperparameters are a recipe's (algorithm=); a torch optimizer holds its own")
+        return None
+    if isinstance(hyperparameters, dict):
+        return hyperparameters_for(algorithm, **hyperparameters)
+    return hyperparameters
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, engine: PerExampleEngine) -> None:

@@ -9,9 +9,10 @@ The rules, in order:
 
 * the noise: the recipe's mechanism (``DEFAULT_NOISE``; iid Gaussian for the first-order recipes) unless ``noise``
   names another;
-* the sampling: with the recipe's own noise and an epsilon, the recipe's sampling (``DEFAULT_SAMPLING``: cyclic
-  Poisson for amplified BandMF, whose period is chosen for the epsilon); else Poisson for iid noise and fixed order
-  for correlated noise, unless ``sampling`` names another;
+* the sampling: with the recipe's own noise, the recipe's sampling (``DEFAULT_SAMPLING``: cyclic Poisson for
+  amplified BandMF, whose period is chosen for the privacy target); else Poisson for iid noise and fixed order for
+  correlated noise, unless ``sampling`` names another. An epsilon and a noise multiplier give the same mechanism;
+  only its scale differs;
 * the mechanism that runs (``mechanism``): the noise above, except that a recipe's own correlated noise gives way
   to ``banded`` under cyclic sampling (which amplifies banded noise only) and its dense ``mf`` beyond
   ``MAX_DENSE_STEPS`` steps;
@@ -27,17 +28,18 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol
 
-from dpopt.algorithms import DECAYED_WORKLOAD, DEFAULT_NOISE, DEFAULT_SAMPLING, NON_PRIVATE, Hyperparameters
+from dpopt.algorithms import (DEFAULT_NOISE, DEFAULT_SAMPLING, DEFAULT_TREE_DECODER, NON_PRIVATE, Hyperparameters,
+                              check_algorithm, hyperparameters_for)
 from dpopt.algorithms.base import Privatizer
 from dpopt.clipping import Clipping
 from dpopt.data.samplers import Sampler, make_sampler
 from dpopt.noise import factorizations as fz
 from dpopt.noise.correlated import CorrelatedNoise
 from dpopt.noise.gaussian import GaussianNoise
-from dpopt.noise.mechanisms import MAX_DENSE_STEPS, amplified_bands, build_noise
+from dpopt.noise.mechanisms import MAX_DENSE_STEPS, TREE_DECODERS, WORKLOADS, amplified_bands, build_noise
 from dpopt.noise.rng import SecretStream
-from dpopt.privacy import (CyclicPoissonSampling, PrivacyLedger, Relation, advanced_composition_noise,
-                           noise_multiplier_for)
+from dpopt.privacy import (CyclicPoissonSampling, GaussianRelease, PoissonSampling, PrivacyLedger, Relation,
+                           advanced_composition_noise, epsilon_of, noise_multiplier_for)
 
 if TYPE_CHECKING:
     from dpopt.distributed import DataParallel
@@ -52,7 +54,10 @@ class Settings(Protocol):
     noise: str
     sampling: str
     epsilon: float | None
-    hp: Hyperparameters
+    bands: int
+    workload: str
+    tree_decoder: str | None
+    hyperparameters: Hyperparameters
 
 
 def noise_kind(s: Settings) -> str:
@@ -61,11 +66,12 @@ def noise_kind(s: Settings) -> str:
 
 
 def sampling_kind(s: Settings) -> str:
-    """The sampling: ``sampling``, or the recipe's own with its own noise at an epsilon (cyclic: its period is
-    chosen for the epsilon), else Poisson for iid noise and fixed order for correlated noise."""
+    """The sampling: ``sampling``, or the recipe's own with its own noise (cyclic: its period is chosen for the
+    privacy target), else Poisson for iid noise and fixed order for correlated noise. How the target is given (an
+    epsilon or a noise multiplier) never changes it."""
     if s.sampling != "auto":
         return s.sampling
-    if s.noise == "auto" and s.epsilon is not None and s.algorithm in DEFAULT_SAMPLING:
+    if s.noise == "auto" and s.algorithm in DEFAULT_SAMPLING:
         return DEFAULT_SAMPLING[s.algorithm]
     return "poisson" if noise_kind(s) == "gaussian" else "fixed"
 
@@ -84,19 +90,45 @@ def mechanism(s: Settings, steps: int) -> str:
 def workload_rates(s: Settings) -> tuple[float, float]:
     """(momentum, decay) of the workload an optimised factorization targets: with ``workload="true"`` the run's
     momentum and, for the SRG recipes, its decay; else 0 and 0 (prefix sums)."""
-    hp = s.hp
-    if hp.workload != "true":
+    if s.workload != "true":
         return 0.0, 0.0
-    return hp.momentum, hp.decay if s.algorithm in DECAYED_WORKLOAD else 0.0
+    return getattr(s.hyperparameters, "momentum", 0.0), getattr(s.hyperparameters, "decay", 0.0)
+
+
+def tree_decoder(s: Settings) -> str:
+    """The decoder of tree noise: ``tree_decoder``, or the recipe's own (the plain sum for most)."""
+    return s.tree_decoder or DEFAULT_TREE_DECODER.get(s.algorithm, "sum")
+
+
+def check_noise_settings(s: Settings) -> None:
+    """Refuse a noise setting that the chosen noise and sampling would ignore, and values no mechanism has."""
+    check_algorithm(s.algorithm)
+    if s.workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {s.workload!r}; choose one of {', '.join(WORKLOADS)}")
+    if s.tree_decoder not in (None, *TREE_DECODERS):
+        raise ValueError(f"unknown tree decoder {s.tree_decoder!r}; choose one of {', '.join(TREE_DECODERS)}")
+    if s.bands < 0:
+        raise ValueError(f"bands must be >= 0 (0: the mechanism's default), got {s.bands}")
+    kind, cyclic = noise_kind(s), sampling_kind(s) == "cyclic"
+    if s.bands and kind in ("gaussian", "tree") and not cyclic:
+        raise ValueError(f"bands applies to banded, sqrt and mf noise and to cyclic sampling, not to {kind} noise "
+                         f"on {sampling_kind(s)} sampling")
+    if s.workload != "ones" and kind == "gaussian" and not cyclic:
+        raise ValueError("workload applies to optimised correlated noise (banded, mf; amplified BandMF), not to iid "
+                         "gaussian noise")
+    if s.tree_decoder is not None and kind != "tree":
+        raise ValueError(f"tree_decoder applies to tree noise, not to {kind} noise")
 
 
 @dataclass(frozen=True)
 class PrivacyPlan:
     """The privacy of one run, from the recipe, the data size, the expected logical batch, the run's length
     (``epochs``, or ``steps`` logical steps) and one target: ``epsilon`` (at ``delta``) or ``noise_multiplier``.
-    ``noise`` and ``sampling`` override the recipe's mechanism; ``hp`` holds the recipe's settings that shape its
-    noise (bands, tree decoder, workload). ``calibration_epochs``: the epochs iid noise was calibrated for, when a
-    resumed run is extended past them."""
+    ``noise`` and ``sampling`` override the recipe's mechanism; ``bands`` (banded noise, the period of cyclic
+    sampling; 0: chosen), ``workload`` (what an optimised factorization targets: ``ones``, prefix sums, or ``true``
+    with the recipe's momentum and decay) and ``tree_decoder`` (None: the recipe's) shape the noise;
+    ``hyperparameters`` are the recipe's (None: its defaults). ``calibration_epochs``: the epochs iid noise was
+    calibrated for, when a resumed run is extended past them."""
 
     algorithm: str
     dataset_size: int
@@ -110,15 +142,19 @@ class PrivacyPlan:
     clipping: str = "flat"
     noise: str = "auto"
     sampling: str = "auto"
+    bands: int = 0
+    workload: str = "ones"
+    tree_decoder: str | None = None
     accountant: str = "pld"
     relation: str = "add-remove"
     calibration: str = "accountant"
     calibration_epochs: int | None = None
-    hp: Hyperparameters | None = None  # None: the recipe's defaults
+    hyperparameters: Hyperparameters | None = None  # None: the recipe's defaults
 
     def __post_init__(self) -> None:
-        if self.hp is None:
-            object.__setattr__(self, "hp", Hyperparameters.for_algorithm(self.algorithm))
+        check_noise_settings(self)
+        if self.hyperparameters is None:
+            object.__setattr__(self, "hyperparameters", hyperparameters_for(self.algorithm))
         if self.algorithm not in NON_PRIVATE and (self.epsilon is None) == (self.noise_multiplier is None):
             raise ValueError("give exactly one of epsilon (the noise is calibrated to it) or noise_multiplier")
 
@@ -132,26 +168,31 @@ class PrivacyPlan:
 
     def resolved(self, log: Callable[[str], None] = print) -> "PrivacyPlan":
         """The plan with every choice it makes from the target written down: cyclic sampling's period (the
-        noise's bands), the least noise on the workload at the epsilon, unless ``hp.bands`` gives it."""
-        if self.sampling_kind != "cyclic" or self.hp.bands:
+        noise's bands), the least noise on the workload at the epsilon, unless ``bands`` gives it. At a noise
+        multiplier, the epsilon is the one DP-SGD's Poisson sampling reaches with it on the same batches."""
+        if self.sampling_kind != "cyclic" or self.bands or self.algorithm in NON_PRIVATE:
             return self
-        if self.epsilon is None:
-            raise ValueError("--sampling cyclic chooses its period (and the noise's bands) for an --epsilon; with a "
-                             "--noise-multiplier give --bands")
         steps = self.steps or math.ceil(self.epochs * max(1, round(self.dataset_size / self.batch_size)))
+        epsilon = self.epsilon
+        if epsilon is None:
+            rate = min(1.0, self.batch_size / self.dataset_size)
+            epsilon = epsilon_of([GaussianRelease(self.noise_multiplier, PoissonSampling(rate), steps)], self.delta,
+                                 self.accountant, self.relation)
         rates = workload_rates(self) if mechanism(self, steps) != "sqrt" else (0.0, 0.0)
         workload = fz.workload_coefficients(steps, *rates)
-        period = amplified_bands(self.epsilon, self.delta, self.dataset_size, self.batch_size, steps, workload,
+        period = amplified_bands(epsilon, self.delta, self.dataset_size, self.batch_size, steps, workload,
                                  self.accountant, self.relation)
         log(f"cyclic sampling: period {period} " + ("(plain Poisson sampling, iid noise)" if period == 1 else
                                                     "(groups taken in turn, and the noise's bands)")
-            + f", the least noise on the workload at epsilon {self.epsilon} (--bands sets it)")
-        return dataclasses.replace(self, hp=dataclasses.replace(self.hp, bands=period))
+            + f", the least noise on the workload at epsilon {epsilon:.4g}"
+            + ("" if self.epsilon is not None else f" (DP-SGD's at noise multiplier {self.noise_multiplier})")
+            + " (--bands sets it)")
+        return dataclasses.replace(self, bands=period)
 
     def sampler(self, key: int | bytes | None) -> Sampler:
         """The run's sampler, its secret stream keyed by ``key`` (None: secure, per-draw OS entropy)."""
         return make_sampler(self.sampling_kind, self.dataset_size, self.batch_size, SecretStream(key, "sampling"),
-                            self.hp.bands)
+                            self.bands)
 
     def total_steps(self, sampler: Sampler) -> int:
         """The run's logical steps: ``steps``, or ``epochs`` of ``sampler``'s."""
@@ -176,10 +217,10 @@ class PrivacyPlan:
             log(f"{self.algorithm} is NOT differentially private: it releases un-noised statistics (epsilon = inf)")
             return GaussianNoise(0.0, clip, stream)
         total = self.total_steps(sampler)
-        kind, hp = mechanism(self, total), self.hp
+        kind, bands = mechanism(self, total), self.bands
         if kind != self.noise_kind and self.sampling_kind == "cyclic":
-            log(f"amplified BandMF: {kind} noise with {hp.bands} band{'s' * (hp.bands != 1)} on cyclic Poisson "
-                "sampling" + (" (one band: iid noise, DP-SGD's privatization)" if hp.bands == 1 else "")
+            log(f"amplified BandMF: {kind} noise with {bands} band{'s' * (bands != 1)} on cyclic Poisson "
+                "sampling" + (" (one band: iid noise, DP-SGD's privatization)" if bands == 1 else "")
                 + f"; the recipe's {self.noise_kind} noise is not amplified (--sampling fixed runs it on fixed-order "
                 "batches)")
         elif kind != self.noise_kind:
@@ -190,7 +231,8 @@ class PrivacyPlan:
                 "size)")
         # cyclic sampling: the factorization's sensitivity is one participation's, amplified (privacy.correlated)
         period = total if isinstance(sampler.participation, CyclicPoissonSampling) else sampler.steps_per_epoch
-        noise = build_noise(kind, 0.0, clip, stream, total, period, hp.tree_decoder, hp.bands, *workload_rates(self))
+        noise = build_noise(kind, 0.0, clip, stream, total, period, tree_decoder(self), bands,
+                            *workload_rates(self))
         release = None
         if isinstance(noise, CorrelatedNoise):
             release = functools.partial(noise.whole_run, participation=sampler.participation)

@@ -62,7 +62,7 @@ def measure(run: Path, examples: int) -> dict:
     low = min(range(len(losses)), key=losses.__getitem__)
     norms = {name: [float(f"{q:.3g}") for q in torch.quantile(v.norm(dim=1), QUANTILES)]
              for name, v in (("g", g), ("d", d), ("u", u))}
-    return {"run": str(run), "dataset": config.dataset, "model": config.model, "lr": config.hp.lr,
+    return {"run": str(run), "dataset": config.dataset, "model": config.model, "lr": config.hyperparameters.lr,
             "step": coupling["t"], "test_accuracy": state["history"][-1]["test_accuracy"], "clip": c, **norms,
             "train_loss": {"lowest": round(losses[low], 3), "at_epoch": low + 1, "last": round(losses[-1], 3)},
             "clipped": float((u.norm(dim=1) > c).float().mean()),

@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from dpopt.algorithms import Hyperparameters
+from dpopt.algorithms import SGD
 from dpopt.run import TrainConfig, train
 
 
@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     config = TrainConfig(algorithm="dp-sgd", dataset=a.dataset, model="cnn", epsilon=a.epsilon, delta=1e-5,
                          epochs=a.epochs, batch_size=a.batch_size, clip=a.clip, seed=a.seed,
-                         hp=Hyperparameters(lr=a.lr, momentum=a.momentum))
+                         hyperparameters=SGD(lr=a.lr, momentum=a.momentum))
     out = Path(a.out) / f"{a.dataset}_seed{a.seed}"
     metrics = train(config, out, progress=False)
     keys = ("dataset", "test_accuracy", "epsilon", "steps", "wall_time_s", "cpu_time_s", "threads")

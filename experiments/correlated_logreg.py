@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
+from dpopt.algorithms import CONFIGS, Privatizer, build_algorithm
 from dpopt.clipping import Clipping
 from dpopt.data.datasets import load_dataset
 from dpopt.data.samplers import FixedOrderSampler
@@ -67,7 +67,7 @@ def run_once(data, method: str, lr: float, clip: float, seed: int, epochs: int, 
     noise = build_noise(kind, z if private else 0.0, clip, SecretStream(seed, "noise"), steps,
                         sampler.steps_per_epoch, momentum=mw[0], decay=mw[1])
     privatizer = Privatizer(Clipping(clip), noise, sampler, PrivacyLedger())
-    hp = Hyperparameters(lr=lr, momentum=MOMENTUM, decay=decay, workload=workload)
+    hp = CONFIGS[recipe](lr=lr, momentum=MOMENTUM, **({"decay": decay} if recipe == "dp-srg-memf" else {}))
     opt = build_algorithm(recipe, PerExampleEngine(model, classification_loss), privatizer, hp)
     for _ in range(steps):
         opt.step(data.train)

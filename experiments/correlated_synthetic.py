@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
+from dpopt.algorithms import CONFIGS, Privatizer, build_algorithm
 from dpopt.clipping import Clipping
 from dpopt.data.samplers import FixedOrderSampler
 from dpopt.grad import PerExampleEngine
@@ -85,7 +85,7 @@ def run_once(train, test, method: str, lr: float, clip: float, seed: int, epsilo
     noise = build_noise(kind, z_cache[key], clip, SecretStream(seed, "noise"), steps, steps)
     privatizer = Privatizer(Clipping(clip), noise, sampler, PrivacyLedger())
     opt = build_algorithm(recipe, PerExampleEngine(model, logistic_loss), privatizer,
-                          Hyperparameters(lr=lr, radius=RADIUS))
+                          CONFIGS[recipe](lr=lr, **({"radius": RADIUS} if recipe == "accel-dp-srgd" else {})))
     for _ in range(steps):
         opt.step(train)
         if recipe != "accel-dp-srgd":  # SGD recipes: the same constraint set, projected after each step

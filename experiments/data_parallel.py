@@ -25,19 +25,19 @@ from pathlib import Path
 
 import torch
 
-from dpopt.algorithms import Hyperparameters
+from dpopt.algorithms import SGD, Adam, DiSKAdam, Projection
 from dpopt.checkpoint import load_checkpoint
 from dpopt.distributed import DataParallel, launch
 from dpopt.run import TrainConfig, train
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {
-    "dp-sgd": dict(algorithm="dp-sgd", hp=Hyperparameters(lr=0.5, momentum=0.9)),
-    "dp-adam": dict(algorithm="dp-adam", hp=Hyperparameters(lr=0.01)),
-    "disk-adam": dict(algorithm="disk-adam", hp=Hyperparameters(lr=0.01)),
-    "dp-grape": dict(algorithm="dp-grape", hp=Hyperparameters(lr=0.01, rank=16)),
-    "dp-galore": dict(algorithm="dp-galore", hp=Hyperparameters(lr=0.01, rank=16, subspace_every=10)),
-    "dp-adam-shuffle": dict(algorithm="dp-adam", sampling="shuffle", hp=Hyperparameters(lr=0.01)),
+    "dp-sgd": dict(algorithm="dp-sgd", hyperparameters=SGD(lr=0.5, momentum=0.9)),
+    "dp-adam": dict(algorithm="dp-adam", hyperparameters=Adam(lr=0.01)),
+    "disk-adam": dict(algorithm="disk-adam", hyperparameters=DiSKAdam(lr=0.01)),
+    "dp-grape": dict(algorithm="dp-grape", hyperparameters=Projection(lr=0.01, rank=16)),
+    "dp-galore": dict(algorithm="dp-galore", hyperparameters=Projection(lr=0.01, rank=16, subspace_every=10)),
+    "dp-adam-shuffle": dict(algorithm="dp-adam", sampling="shuffle", hyperparameters=Adam(lr=0.01)),
 }
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dpopt.algorithms import DPOptimizer, Hyperparameters, Privatizer, build_algorithm
+from dpopt.algorithms import CONFIGS, DPOptimizer, Privatizer, build_algorithm
 from dpopt.bench import cpu_medians_in_turn, peak_tensor_mb
 from dpopt.clipping import Clipping
 from dpopt.data.datasets import Dataset
@@ -58,7 +58,7 @@ def build(name: str, batch: int, base: str, system: str) -> tuple[DPOptimizer, A
     prefix, extra = SYSTEMS[system]
     privatizer = Privatizer(Clipping(1.0), GaussianNoise(1.0, 1.0, SecretStream(0, "noise")),
                             FixedOrderSampler(batch, batch, SecretStream(0, "sampling")), PrivacyLedger())
-    hp = Hyperparameters(lr=0.01 if base == "sgd" else 1e-4, **extra)
+    hp = CONFIGS[f"{prefix}-{base}"](lr=0.01 if base == "sgd" else 1e-4, **extra)
     opt = build_algorithm(f"{prefix}-{base}", PerExampleEngine(model, loss), privatizer, hp)
     opt.verified = True  # the one-time self-check is not part of a step
     for _ in range(2):

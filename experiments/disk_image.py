@@ -22,14 +22,14 @@ from pathlib import Path
 
 import torch
 
-from dpopt.algorithms import Hyperparameters
+from dpopt.algorithms import CONFIGS, SGD, Adam, Hyperparameters
 from dpopt.data.datasets import DATASETS, Dataset, labels_of, load_dataset
 from dpopt.data.samplers import PoissonSampler
 from dpopt.noise.rng import SecretStream
 from dpopt.privacy import noise_multiplier_for
 from dpopt.run import TrainConfig, train
 
-BASES = {"sgd": Hyperparameters(lr=1.0, momentum=0.9), "adam": Hyperparameters(lr=2e-3)}
+BASES = {"sgd": SGD(lr=1.0, momentum=0.9), "adam": Adam(lr=2e-3)}
 LR_GRID = {("sgd", "flat"): [1.0, 2.0, 4.0, 8.0, 16.0], ("adam", "flat"): [2e-3, 4e-3, 8e-3, 1.6e-2],
            # automatic clipping scales every example to norm C = 1 (10x the flat runs' C = 0.1): SGD's steps 10x lower
            ("sgd", "automatic"): [0.2, 0.4, 0.8, 1.6], ("adam", "automatic"): [2e-3, 4e-3, 8e-3, 1.6e-2]}
@@ -97,7 +97,7 @@ def run_config(a: argparse.Namespace, algorithm: str, dataset: str, epsilon: flo
                                                           a.calibration_epochs * sampler.steps_per_epoch)}
     return TrainConfig(algorithm=algorithm, dataset=dataset, model="cnn", delta=1e-5, epochs=a.epochs,
                        batch_size=a.batch_size, physical_batch_size=a.physical_batch_size,
-                       clip=CLIP[clipping] or a.clip, clipping=clipping, seed=seed, secret_seed=seed, hp=hp, **noise)
+                       clip=CLIP[clipping] or a.clip, clipping=clipping, seed=seed, secret_seed=seed, hyperparameters=hp, **noise)
 
 
 def hyperparameters(tuned: Path, dataset: str, base: str, clipping: str, kappa: float | None,
@@ -106,7 +106,7 @@ def hyperparameters(tuned: Path, dataset: str, base: str, clipping: str, kappa: 
     (None for the base, which does not read them)."""
     lr = json.loads(tuned.read_text()).get(dataset, {}).get(tuning_key(base, clipping)) if tuned.exists() else None
     hp = BASES[base] if lr is None else dataclasses.replace(BASES[base], lr=lr)
-    return hp if kappa is None else dataclasses.replace(hp, kappa=kappa, gamma=gamma)
+    return hp if kappa is None else CONFIGS[f"disk-{base}"](**dataclasses.asdict(hp), kappa=kappa, gamma=gamma)
 
 
 def variant(row: dict) -> tuple[float | None, float | None]:
@@ -226,7 +226,7 @@ def main(argv: list[str]) -> int:
                             row = {"dataset": dataset, "base": base, "clipping": clipping, "epsilon": eps,
                                    "method": method, "seed": seed,
                                    "test_accuracy": m["test_accuracy"], "epsilon_spent": m["epsilon"],
-                                   "lr": config.hp.lr, "epochs": a.epochs, "batch_size": a.batch_size,
+                                   "lr": config.hyperparameters.lr, "epochs": a.epochs, "batch_size": a.batch_size,
                                    "clip": config.clip, "calibration_epochs": a.calibration_epochs,
                                    **({"kappa": kappa, "gamma": gamma} if method == "disk" else {}),
                                    "noise_multiplier": m["noise_multiplier"], "steps": m["steps"],

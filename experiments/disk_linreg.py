@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dpopt.algorithms import DPOptimizer, Hyperparameters, Privatizer, build_algorithm
+from dpopt.algorithms import SGD, DiSKSGD, DPOptimizer, Privatizer, build_algorithm
 from dpopt.algorithms.first_order import BASES
 from dpopt.clipping import Clipping
 from dpopt.data.samplers import PoissonSampler
@@ -55,12 +55,12 @@ def run(method: str, z: float, lr: float, seed: int) -> float:
     privatizer = Privatizer(Clipping(1.0), GaussianNoise(z, 1.0, SecretStream(seed, "noise")),
                             PoissonSampler.with_batch_size(N, BATCH, SecretStream(seed, "sampling")), PrivacyLedger())
     if method == "dp-sgd":
-        opt = build_algorithm("dp-sgd", engine, privatizer, Hyperparameters(lr=lr))
+        opt = build_algorithm("dp-sgd", engine, privatizer, SGD(lr=lr))
     elif method == "ema-only":  # the filter alone: statistic at x_t only
-        opt = DPOptimizer(engine, privatizer, BASES["sgd"](engine.params, Hyperparameters(lr=lr)),
+        opt = DPOptimizer(engine, privatizer, BASES["sgd"](engine.params, SGD(lr=lr)),
                           transforms=[KalmanFilter(KAPPA, 1.0)])
     else:
-        opt = build_algorithm("disk-sgd", engine, privatizer, Hyperparameters(lr=lr, kappa=KAPPA, gamma=METHODS[method]))
+        opt = build_algorithm("disk-sgd", engine, privatizer, DiSKSGD(lr=lr, kappa=KAPPA, gamma=METHODS[method]))
     opt.verified = True
     for _ in range(STEPS):
         opt.step(data)

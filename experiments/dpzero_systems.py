@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
+from dpopt.algorithms import CONFIGS, Privatizer, build_algorithm
 from dpopt.bench import cpu_medians_in_turn, peak_tensor_mb
 from dpopt.clipping import Clipping
 from dpopt.data.datasets import Dataset
@@ -61,7 +61,7 @@ def systems(b: int, names: tuple[str, ...]) -> dict[str, Callable[[], object]]:
     def step(algorithm: str, z: float):
         privatizer = Privatizer(Clipping(1.0), GaussianNoise(z, 1.0, SecretStream(0, "noise")),
                                 FixedOrderSampler(b, b, SecretStream(0, "sampling")), PrivacyLedger())
-        opt = build_algorithm(algorithm, engine, privatizer, Hyperparameters(lr=1e-6))
+        opt = build_algorithm(algorithm, engine, privatizer, CONFIGS[algorithm](lr=1e-6))
         opt.verified = True  # the first-order self-check is not part of a step
         return lambda: opt.step(batch)
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from dpopt.algorithms import Hyperparameters
+from dpopt.algorithms import Projection, ZerothOrder
 from dpopt.data.samplers import take
 from dpopt.noise.rng import derive_seed
 from dpopt.run import TrainConfig, accuracy, build_run
@@ -73,11 +73,11 @@ def one_run(algorithm: str, epsilon: float | None, steps: int, args: argparse.Na
     per_epoch = round(1024 / batch)
     if steps % per_epoch:
         raise ValueError(f"steps must be a multiple of the {per_epoch} steps of an epoch (calibration is per epoch)")
-    hp = (Hyperparameters(lr=args.lr, smoothing=args.smoothing) if zeroth
-          else Hyperparameters(lr=args.grape_lr, rank=16, subspace_every=100))
+    hp = (ZerothOrder(lr=args.lr, smoothing=args.smoothing) if zeroth
+          else Projection(lr=args.grape_lr, rank=16, subspace_every=100))
     config = TrainConfig(algorithm=algorithm, dataset="rotten-tomatoes-512", model=args.model, epsilon=epsilon,
                          delta=1e-5, epochs=steps // per_epoch, batch_size=batch,
-                         clip=args.clip if zeroth else args.grape_clip, seed=args.seed, hp=hp,
+                         clip=args.clip if zeroth else args.grape_clip, seed=args.seed, hyperparameters=hp,
                          trainable=args.trainable)
     run = build_run(config, log=lambda msg: print("  " + msg, flush=True))
     history = [{"step": 0, "test_accuracy": accuracy(run.model, test, 256), "epsilon": 0.0}]
@@ -134,7 +134,7 @@ def main(argv: list[str]) -> int:
     log = out / "text.jsonl"
     done = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     key = lambda r: (r["config"]["model"], r["algorithm"], r["epsilon"], r["steps"],  # noqa: E731
-                     r["config"]["batch_size"], r["config"]["hp"]["lr"], r["config"]["clip"],
+                     r["config"]["batch_size"], r["config"]["hyperparameters"]["lr"], r["config"]["clip"],
                      r["config"].get("trainable"))
 
     if a.tune:

@@ -81,7 +81,7 @@ def run(data: tuple[torch.Tensor, torch.Tensor], split: str, noise: str, method:
     problem = Problem(LogRegOracle(a, b, parts, noise, seed), torch.zeros(a.shape[1], dtype=torch.float64),
                       [a.shape[1]], [len(p) for p in parts], lambda x: {})
     kw = dict(beta=beta, beta_hat=1.0) if method == "clip21-sgd2m" else {}
-    config = FederatedConfig(algorithm=method, clients=CLIENTS, rounds=rounds, noise_multiplier=0.0, tau=tau, lr=lr,
+    config = FederatedConfig(algorithm=method, clients=CLIENTS, rounds=rounds, noise_multiplier=0.0, clip=tau, lr=lr,
                              seed=seed, **kw)
     fed = InProcessFederation(build_setup(config, problem))
     tail = []

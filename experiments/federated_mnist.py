@@ -70,7 +70,7 @@ def run(model_name: str, method: str, ratio: float, lr: float, tau: float, beta_
         args: argparse.Namespace, seed: int) -> dict:
     kw = dict(beta=beta, beta_hat=beta_hat) if method == "clip21-sgd2m" else {}
     config = FederatedConfig(algorithm=method, clients=args.clients, rounds=args.rounds, noise_multiplier=ratio,
-                             tau=tau, lr=lr, seed=seed, **kw)
+                             clip=tau, lr=lr, seed=seed, **kw)
     setup = build_setup(config, problem(model_name, args.clients, seed))
     fed = InProcessFederation(setup)
     start = time.process_time()

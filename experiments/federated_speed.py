@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
     for case in a.cases:
         model_name, n = case.split(":")
         config = FederatedConfig(dataset="mnist", model=model_name, clients=int(n), rounds=a.rounds,
-                                 noise_multiplier=1.0, tau=0.1, lr=0.1)
+                                 noise_multiplier=1.0, clip=0.1, lr=0.1)
         setup = build_setup(config)
         fed = InProcessFederation(setup)
         oracle, clients = setup.problem.oracle, list(range(int(n)))

@@ -52,7 +52,7 @@ def run(method: str, tau: float, clients: int, seed: int, rounds: int) -> list[f
     algorithm, beta, override = METHODS[method]
     kw = dict(beta=beta, beta_hat=1.0) if algorithm == "clip21-sgd2m" else {}
     config = FederatedConfig(algorithm=algorithm, clients=clients, rounds=rounds, noise_multiplier=0.0,
-                             tau=override or tau, lr=GAMMA, seed=seed, **kw)
+                             clip=override or tau, lr=GAMMA, seed=seed, **kw)
     fed = InProcessFederation(build_setup(config, toy_problem(clients, seed)))
     out = []
     for _ in range(rounds):

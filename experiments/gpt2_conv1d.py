@@ -10,7 +10,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
+from dpopt.algorithms import SGD, Privatizer, build_algorithm
 from dpopt.bench import peak_tensor_mb
 from dpopt.clipping import Clipping
 from dpopt.data.samplers import FixedOrderSampler
@@ -46,7 +46,7 @@ def make_step(system: str):
         return step
     privatizer = Privatizer(Clipping(1.0), GaussianNoise(1.0, 1.0, SecretStream(0, "noise")),
                             FixedOrderSampler(B, B, SecretStream(0, "sampling")), PrivacyLedger())
-    dp = build_algorithm("dp-sgd", PerExampleEngine(model, lm_loss), privatizer, Hyperparameters(lr=0.01))
+    dp = build_algorithm("dp-sgd", PerExampleEngine(model, lm_loss), privatizer, SGD(lr=0.01))
     dp.verify(data)
     return lambda: dp.step(data)
 

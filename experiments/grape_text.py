@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpopt import models
-from dpopt.algorithms import Hyperparameters
+from dpopt.algorithms import Projection
 from dpopt.data.datasets import DATASETS, Dataset
 from dpopt.noise.rng import derive_seed
 from dpopt.run import TrainConfig, accuracy, build_run, classification_loss
@@ -97,7 +97,7 @@ def private_run(algorithm: str, data: str, epsilon: float, a: argparse.Namespace
                 seed: int) -> dict[str, Any]:
     config = TrainConfig(algorithm=algorithm, dataset=data, model="minilm-prompt", epsilon=epsilon, delta=1e-5,
                          epochs=a.epochs, batch_size=a.batch_size, clip=clip, seed=seed,
-                         hp=Hyperparameters(lr=lr, rank=a.rank, subspace_every=a.subspace_every))
+                         hyperparameters=Projection(lr=lr, rank=a.rank, subspace_every=a.subspace_every))
     run = build_run(config, log=lambda s: None)
     start = time.process_time()
     losses = []

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dpopt.algorithms import Hyperparameters
+from dpopt.algorithms import Projection
 from dpopt.data.datasets import DATASETS, Dataset, load_dataset
 from dpopt.run import TrainConfig, train
 
@@ -53,7 +53,7 @@ def validation(name: str) -> str:
 def run(method: str, dataset: str, epsilon: float, lr: float, a: argparse.Namespace, seed: int) -> dict[str, Any]:
     config = TrainConfig(algorithm=method, dataset=dataset, model="vit-tiny", epsilon=epsilon, delta=1e-5,
                          epochs=a.epochs, batch_size=a.batch_size, clip=a.clip, seed=seed,
-                         hp=Hyperparameters(lr=lr, rank=a.rank, subspace_every=a.subspace_every))
+                         hyperparameters=Projection(lr=lr, rank=a.rank, subspace_every=a.subspace_every))
     m = train(config, progress=False, log=lambda s: None)
     accs = [h["test_accuracy"] for h in m["history"]]
     return {"test_accuracy": m["test_accuracy"], "best_test_accuracy": max(accs), "history": accs,

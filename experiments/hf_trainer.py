@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from dpopt.algorithms import Hyperparameters
+from dpopt.algorithms import hyperparameters_for
 from dpopt.data.datasets import load_dataset
 from dpopt.models import build_model
 from dpopt.noise.rng import derive_seed
@@ -37,7 +37,7 @@ def run_train(a: argparse.Namespace, seed: int, lr: float) -> float:
     config = TrainConfig(algorithm="dp-adam", dataset=DATASET, model=a.model, epsilon=EPSILON, delta=DELTA,
                          epochs=a.epochs, batch_size=a.batch_size, physical_batch_size=PHYSICAL, clip=a.clip, seed=seed,
                          secret_seed=seed, trainable=a.trainable,
-                         hp=dataclasses.replace(Hyperparameters.for_algorithm("dp-adam"), lr=lr))
+                         hyperparameters=dataclasses.replace(hyperparameters_for("dp-adam"), lr=lr))
     return train(config, progress=False, log=lambda s: None)["test_accuracy"]
 
 

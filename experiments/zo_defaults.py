@@ -2,7 +2,7 @@
 80/20 into train / validation, the test split untouched.
 
 ``dpopt reproduce zo_defaults ALGORITHM KEY=V1,V2 ...`` runs every combination of the values given: keys are
-Hyperparameters fields (lr, smoothing, direction, direction_seed, ...) or epochs, batch_size, clip; each run
+hyper-parameters (lr, smoothing, direction, direction_seed, ...) or epochs, batch_size, clip; each run
 is ``train(TrainConfig(algorithm, dataset=<the split>, epsilon=2 (none for mezo), secret_seed=0, ...))`` on
 one thread, and prints one JSON line with the validation accuracy and the CPU seconds.
 """
@@ -13,12 +13,12 @@ import argparse
 import itertools
 import json
 import time
-from dataclasses import fields
 
 import numpy as np
 import torch
 
-from dpopt.algorithms import NON_PRIVATE, Hyperparameters
+from dpopt.algorithms import NON_PRIVATE, hyperparameters_for
+from dpopt.algorithms.hyperparameters import all_fields
 from dpopt.data import datasets
 from dpopt.data.datasets import DATASETS, Dataset
 from dpopt.run import TrainConfig, train
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("algorithm")
     p.add_argument("grid", nargs="*", metavar="KEY=V1,V2", help="values to sweep (lr=0.1,0.2 direction_seed=0,1)")
     a = p.parse_args(argv)
-    types = {f.name: type(f.default) for f in fields(Hyperparameters)} | CONFIG_KEYS
+    types = {name: type(f.default) for name, f in all_fields().items()} | CONFIG_KEYS
     grid = {}
     for item in a.grid:
         key, values = item.split("=", 1)
@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     for combo in itertools.product(*grid.values()):
         chosen = dict(zip(grid, combo))
-        hp = Hyperparameters.for_algorithm(a.algorithm, **{k: v for k, v in chosen.items() if k not in CONFIG_KEYS})
-        config = TrainConfig(algorithm=a.algorithm, dataset=SPLIT, secret_seed=0, hp=hp,
+        hp = hyperparameters_for(a.algorithm, **{k: v for k, v in chosen.items() if k not in CONFIG_KEYS})
+        config = TrainConfig(algorithm=a.algorithm, dataset=SPLIT, secret_seed=0, hyperparameters=hp,
                              epsilon=None if a.algorithm in NON_PRIVATE else 2.0,
                              **{k: v for k, v in chosen.items() if k in CONFIG_KEYS})
         start = time.process_time()

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
+from dpopt.algorithms import SGD, Privatizer, build_algorithm
 from dpopt.clipping import Clipping
 from dpopt.data.samplers import PoissonSampler, distinct_examples
 from dpopt.grad import ExampleMixingError, PerExampleEngine, check_per_example
@@ -158,7 +158,7 @@ def privately_trained(model: nn.Module, t: int, seed: int):
     assert 0 < len(sampler.batch(0)) < 3
     privatizer = Privatizer(Clipping(1.0), GaussianNoise(1.0, 1.0, SecretStream(0, "noise")), sampler,
                             PrivacyLedger())
-    return build_algorithm("dp-sgd", PerExampleEngine(model, mlp_loss), privatizer, Hyperparameters(lr=0.1)), \
+    return build_algorithm("dp-sgd", PerExampleEngine(model, mlp_loss), privatizer, SGD(lr=0.1)), \
         data(model, 12, t)
 
 

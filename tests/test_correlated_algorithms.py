@@ -1,6 +1,7 @@
 """DP-FTRL, DP-MEMF, DP-SRG-MEMF and Accelerated-DP-SRGD: reductions, hand-written recursions, oracle
 counts, DiSK on correlated noise, and the trainer/CLI (metrics, resume, refused combinations)."""
 
+import dataclasses
 import json
 import warnings
 
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 
 from dpopt import make_private
-from dpopt.algorithms import Hyperparameters, Privatizer, StepRule, build_algorithm
+from dpopt.algorithms import CONFIGS, SGD, SRGD, Privatizer, StepRule, applies_to, build_algorithm, hyperparameters_for
 from dpopt.cli import main
 from dpopt.clipping import Clipping
 from dpopt.data.samplers import FixedOrderSampler
@@ -35,7 +36,7 @@ def optimizer(model, algorithm, noise="mf", z=1.0, clip=1.0, batch=BATCH, **hp):
     mech = build_noise(noise, z, clip, SecretStream(3, "noise"), horizon, sampler.steps_per_epoch,
                        momentum=hp.get("momentum", 0.0))
     privatizer = Privatizer(Clipping(clip), mech, sampler, PrivacyLedger())
-    return build_algorithm(algorithm, PerExampleEngine(model, mlp_loss), privatizer, Hyperparameters(**hp))
+    return build_algorithm(algorithm, PerExampleEngine(model, mlp_loss), privatizer, CONFIGS[algorithm](**hp))
 
 
 def lr_of(dp):
@@ -69,7 +70,7 @@ def test_srg_memf_with_decay_zero_is_exactly_dp_memf():
     runs = []
     for algorithm in ("dp-memf", "dp-srg-memf"):
         model, data = problem()
-        opt = optimizer(model, algorithm, lr=0.2, momentum=0.9, decay=0.0)
+        opt = optimizer(model, algorithm, lr=0.2, momentum=0.9, **({"decay": 0.0} if algorithm == "dp-srg-memf" else {}))
         for _ in range(EPOCHS * 3):
             opt.step(data)
         runs.append((params(model), opt.privatizer.ledger.entries))
@@ -204,8 +205,9 @@ def test_disk_runs_on_correlated_noise_at_the_base_methods_privacy_cost():
     ("accel-dp-srgd", "auto", "banded", "gaussian"), ("dp-srgd", "auto", "banded", "gaussian"),
     ("dp-memf", "fixed", "mf", "correlated-gaussian")])
 def test_cli_trains_each_correlated_algorithm(algorithm, sampling, noise, mechanism, tmp_path):
-    assert main(["train", "--algorithm", algorithm, "--epochs", "1", "--batch-size", "256", "--lr", "0.5",
-                 "--momentum", "0.5" if algorithm != "accel-dp-srgd" else "0", "--workload", "true",
+    momentum = ["--momentum", "0.5"] if algorithm in applies_to("momentum") else []
+    assert main(["train", "--algorithm", algorithm, "--epochs", "1", "--batch-size", "256", "--lr", "0.5", *momentum,
+                 "--workload", "true",
                  "--sampling", sampling, "--no-progress", "--out", str(tmp_path)]) == 0
     m = json.loads((tmp_path / "metrics.json").read_text())
     assert m["sampling"] == ("cyclic" if noise == "banded" else "fixed") and m["noise"] == noise
@@ -217,7 +219,8 @@ def test_cli_trains_each_correlated_algorithm(algorithm, sampling, noise, mechan
                                                        ("banded", "dp-memf", "cyclic")])  # amplified BandMF
 def test_resume_reproduces_a_correlated_run(tmp_path, noise, algorithm, sampling):
     config = TrainConfig(algorithm=algorithm, noise=noise, epochs=2, batch_size=512, epsilon=2.0, sampling=sampling,
-                         hp=Hyperparameters(lr=0.5, momentum=0.5, tree_decoder="least-squares", bands=2))
+                         tree_decoder="least-squares" if noise == "tree" else None, bands=2 if noise != "tree" else 0,
+                         hyperparameters=CONFIGS[algorithm](lr=0.5, momentum=0.5))
     full = train_keeping_epoch_one(config, tmp_path / "full", tmp_path / "cut")  # its own OS-entropy key
     resumed = resume(tmp_path / "cut", progress=False, log=lambda _: None)
     a = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)["model"]
@@ -231,7 +234,7 @@ def test_resume_reproduces_a_correlated_run(tmp_path, noise, algorithm, sampling
     (dict(algorithm="dp-ftrl", sampling="poisson"), AccountingError, "Poisson"),
     (dict(algorithm="dp-memf", sampling="shuffle"), AccountingError, "same position"),
     (dict(noise="tree", sampling="shuffle", epochs=2), AccountingError, "same position"),
-    (dict(algorithm="dp-memf", noise="banded", hp=Hyperparameters(bands=50)), ValueError, "bands <= steps"),
+    (dict(algorithm="dp-memf", noise="banded", bands=50), ValueError, "bands <= steps"),
 ])
 def test_mismatched_sampling_and_noise_are_refused(overrides, error, message):
     config = TrainConfig(**{"epochs": 2, "batch_size": 256, "epsilon": 2.0, **overrides})
@@ -240,10 +243,10 @@ def test_mismatched_sampling_and_noise_are_refused(overrides, error, message):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--decay", "1"], "decay c must lie in [0, 1)"),
-    (["--workload", "momentum"], "unknown workload"),
-    (["--tree-decoder", "mean"], "unknown tree decoder"),
-    (["--radius", "-1"], "constraint radius"),
+    (["--algorithm", "dp-srg-memf", "--decay", "1"], "decay c must lie in [0, 1)"),
+    (["--workload", "momentum"], "argument --workload: invalid choice 'momentum' (choose from ones, true)"),
+    (["--tree-decoder", "mean"], "argument --tree-decoder: invalid choice 'mean' (choose from sum, least-squares)"),
+    (["--algorithm", "dp-srgd", "--radius", "-1"], "constraint radius"),
     (["--bands", "-1"], "bands must be >= 0"),
     (["--algorithm", "dp-ftrl", "--sampling", "poisson"], "no privacy analysis with Poisson"),
 ])
@@ -281,20 +284,21 @@ def test_a_statistic_scale_s_is_a_clip_s_times_larger_with_a_step_s_times_smalle
     for a, b in zip(*runs):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     with pytest.raises(ValueError, match="statistic scale must be a finite number > 0"):
-        Hyperparameters(statistic_scale=0.0)
+        SRGD(statistic_scale=0.0)
 
 
 def test_accel_dp_srgd_scales_its_statistic_by_the_run_length_past_938_steps():
     """accel-dp-srgd's default scale is max(1, T / 938), resolved with the run's length (read back from a config as
     a rule); 1 on digits' default run, and a given scale is kept."""
-    rule = TrainConfig(algorithm="accel-dp-srgd").hp.statistic_scale
-    assert isinstance(rule, StepRule) and TrainConfig.from_dict(TrainConfig(algorithm="accel-dp-srgd").to_dict()).hp \
-        .statistic_scale == rule
-    for epochs, scale in ((20, 1.0), (90, 1080 / 938)):  # digits: 12 steps an epoch
-        run = build_run(TrainConfig(algorithm="accel-dp-srgd", epochs=epochs, noise_multiplier=1.0), log=quiet)
-        assert run.total_steps == 12 * epochs and run.config.hp.statistic_scale == run.optimizer.base.scale == scale
-    given = Hyperparameters.for_algorithm("accel-dp-srgd", statistic_scale=3.0)
-    run = build_run(TrainConfig(algorithm="accel-dp-srgd", epochs=90, noise_multiplier=1.0, hp=given), log=quiet)
+    config = TrainConfig(algorithm="accel-dp-srgd", noise_multiplier=1.0, sampling="fixed")  # 12 steps an epoch
+    rule = config.hyperparameters.statistic_scale
+    assert isinstance(rule, StepRule) and TrainConfig.from_dict(config.to_dict()).hyperparameters.statistic_scale == rule
+    for epochs, scale in ((20, 1.0), (90, 1080 / 938)):
+        run = build_run(dataclasses.replace(config, epochs=epochs), log=quiet)
+        assert run.total_steps == 12 * epochs
+        assert run.config.hyperparameters.statistic_scale == run.optimizer.base.scale == scale
+    given = hyperparameters_for("accel-dp-srgd", statistic_scale=3.0)
+    run = build_run(dataclasses.replace(config, epochs=90, hyperparameters=given), log=quiet)
     assert run.optimizer.base.scale == 3.0
 
 
@@ -307,24 +311,25 @@ def test_a_default_step_set_by_the_run_length_is_resolved_once_the_length_is_kno
     DP-SRGD's max(0.1, min(0.2, 3.1 / sqrt(T))) and Adam's 0.15 / sqrt(T) for the run's T steps, resolved once the
     run's length is known (train's config and make_private alike); a given lr is kept; an unresolved rule or no lr at
     all is refused."""
-    assert TrainConfig(algorithm=algorithm).hp.lr == rule
+    assert TrainConfig(algorithm=algorithm).hyperparameters.lr == rule
     for epochs in (1, 90):  # 12 and 1,080 steps: the caps bind on the first only, the floors on the second
         run = build_run(TrainConfig(algorithm=algorithm, epochs=epochs, noise_multiplier=1.0), log=quiet)
         lr = rule.scale / run.total_steps ** rule.power
         cap = rule.cap(run.total_steps) if isinstance(rule.cap, StepRule) else rule.cap
         floor = rule.floor or 0.0
-        assert run.config.hp.lr == lr_of(run.optimizer) == max(floor, lr if cap is None else min(cap, lr))
+        assert run.config.hyperparameters.lr == lr_of(run.optimizer) == max(floor, lr if cap is None else min(cap, lr))
         if cap is not None:  # the run-length term takes over on the longer run only
             assert (lr < cap) == (epochs == 90)
         if rule.floor is not None:  # and the floor on the longer run only
             assert (lr < floor) == (epochs == 90)
-    assert TrainConfig.from_dict(TrainConfig(algorithm=algorithm).to_dict()).hp.lr == rule  # the rule read back
-    given = TrainConfig(algorithm=algorithm, noise_multiplier=1.0, hp=Hyperparameters(lr=0.003))
+    assert TrainConfig.from_dict(TrainConfig(algorithm=algorithm).to_dict()).hyperparameters.lr == rule  # the rule read back
+    given = TrainConfig(algorithm=algorithm, noise_multiplier=1.0, hyperparameters=CONFIGS[algorithm](lr=0.003))
     assert lr_of(build_run(given, log=quiet).optimizer) == 0.003
     model, (x, y) = problem()
-    _, opt, _ = make_private(model, algorithm, (x, y), mlp_loss, batch_size=BATCH, epochs=2, noise_multiplier=1.0)
+    _, opt, _ = make_private(model, None, (x, y), mlp_loss, algorithm=algorithm, batch_size=BATCH, epochs=2,
+                             noise_multiplier=1.0)
     assert lr_of(opt.dp) == rule(2 * N // BATCH)
     with pytest.raises(ValueError, match="learning rate must be a finite number > 0, got None"):
-        Hyperparameters(lr=None)
+        SGD(lr=None)
     with pytest.raises(ValueError, match="still the rule"):
         optimizer(problem()[0], algorithm, noise="tree" if algorithm != "dp-adam" else "gaussian", lr=rule)

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from dpopt.algorithms import Hyperparameters
+from dpopt.algorithms import DiSKAdam
 from dpopt.checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, save_checkpoint
 from dpopt.run import TrainConfig, resume, train
 from dpopt.run import loop as train_module
@@ -21,7 +21,7 @@ from experiments.crash_safety import after_kill, same_run, watch
 # RDP: cheap epsilons; disk-adam: optimizer and transform state both have to survive a crash. A secret
 # seed (replayable noise) makes separately started runs comparable with their reference.
 TINY = TrainConfig(algorithm="disk-adam", model="logreg", epochs=3, noise_multiplier=1.0, accountant="rdp",
-                   secret_seed=0, hp=Hyperparameters(lr=0.01))
+                   secret_seed=0, hyperparameters=DiSKAdam(lr=0.01))
 
 
 def _train_on_one_thread(config: TrainConfig, folder) -> None:

@@ -8,7 +8,7 @@ import dp_accounting as dpa
 import pytest
 import torch
 
-from dpopt.algorithms.registry import Hyperparameters
+from dpopt.algorithms import hyperparameters_for
 from dpopt.cli import main
 from dpopt.data.samplers import CyclicPoissonSampler, PoissonSampler
 from dpopt.noise import SecretStream, TreeNoise, build_noise
@@ -150,10 +150,10 @@ def test_the_period_is_one_where_two_groups_would_not_hold_a_batch():
 def test_a_cyclic_run_with_one_band_is_dp_sgd():
     """Period 1 and one band: Poisson sampling and iid noise, so dp-memf's run equals dp-sgd's at its lr."""
     common = dict(dataset="digits", epsilon=2.0, epochs=2, secret_seed=0)
-    sgd = train(TrainConfig(algorithm="dp-sgd", hp=Hyperparameters.for_algorithm("dp-sgd", lr=0.3), **common),
+    sgd = train(TrainConfig(algorithm="dp-sgd", hyperparameters=hyperparameters_for("dp-sgd", lr=0.3), **common),
                 progress=False, log=lambda _: None)
-    memf = train(TrainConfig(algorithm="dp-memf", sampling="cyclic", hp=Hyperparameters.for_algorithm(
-        "dp-memf", bands=1), **common), progress=False, log=lambda _: None)
+    memf = train(TrainConfig(algorithm="dp-memf", sampling="cyclic", bands=1, **common), progress=False,
+                 log=lambda _: None)
     assert memf["history"] == sgd["history"] and memf["epsilon"] == sgd["epsilon"]
     assert memf["noise"] == "banded" and memf["sampling"] == "cyclic"
 
@@ -162,7 +162,7 @@ def test_a_cyclic_run_reports_the_epsilon_of_its_ledger_and_keeps_its_period():
     logs = []
     m = train(TrainConfig(algorithm="dp-memf", dataset="digits", epsilon=2.0, epochs=2, secret_seed=0,
                           sampling="cyclic", batch_size=256), progress=False, log=logs.append)
-    bands = m["config"]["hp"]["bands"]
+    bands = m["config"]["bands"]
     assert bands >= 1 and any(f"cyclic sampling: period {bands}" in line for line in logs)
     part = CyclicPoissonSampling(256 * bands / 1437, bands)
     assert m["epsilon"] == pytest.approx(epsilon_of([GaussianRelease(m["noise_multiplier"], part, m["steps"])], 1e-5))
@@ -171,7 +171,6 @@ def test_a_cyclic_run_reports_the_epsilon_of_its_ledger_and_keeps_its_period():
 
 @pytest.mark.parametrize("argv,message", [
     (["--algorithm", "dp-ftrl", "--noise", "tree", "--sampling", "cyclic", "--bands", "4"], "this noise has no bands"),
-    (["--algorithm", "dp-memf", "--sampling", "cyclic", "--noise-multiplier", "1"], "with a --noise-multiplier give"),
     (["--algorithm", "dp-memf", "--sampling", "cyclic", "--bands", "8", "--noise", "banded", "--batch-size", "256"],
      "batch size times the period must lie in"),
 ])

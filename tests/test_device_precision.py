@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dpopt import bench
-from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
+from dpopt.algorithms import SGD, Privatizer, build_algorithm
 from dpopt.cli import main
 from dpopt.clipping import Clipping, clip_and_sum
 from dpopt.data.samplers import FixedOrderSampler
@@ -93,7 +93,7 @@ def _step(model: torch.nn.Module, data, precision: str = "fp32", noise: float = 
     privatizer = Privatizer(Clipping(1.0), GaussianNoise(noise, 1.0, SecretStream(0, "noise")),
                             FixedOrderSampler(n, n, SecretStream(0, "sampling")), PrivacyLedger())
     engine = PerExampleEngine(model, zoo_loss, precision=precision)
-    opt = build_algorithm("dp-sgd", engine, privatizer, Hyperparameters(lr=0.1))
+    opt = build_algorithm("dp-sgd", engine, privatizer, SGD(lr=0.1))
     return opt, opt.step(data)
 
 
@@ -128,7 +128,7 @@ def test_fp16_on_cuda_scales_the_loss_and_an_overflowing_step_is_still_recorded(
                             FixedOrderSampler(n, n, SecretStream(0, "sampling")), PrivacyLedger())
     engine = PerExampleEngine(model, zoo_loss, precision="fp16")
     engine.loss_scale = 2.0 ** 60  # every example's scaled backward overflows fp16
-    opt = build_algorithm("dp-sgd", engine, privatizer, Hyperparameters(lr=0.1))
+    opt = build_algorithm("dp-sgd", engine, privatizer, SGD(lr=0.1))
     result = opt.step(data)
     assert result.nonfinite == result.examples == n  # all weight 0: the release is the noise alone ...
     assert opt.privatizer.ledger.steps == 1  # ... and it is accounted

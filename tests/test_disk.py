@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
+from dpopt.algorithms import CONFIGS, DiSKSGD, Privatizer, build_algorithm
 from dpopt.clipping import Clipping, clip_and_sum
 from dpopt.data.samplers import PoissonSampler, ShuffleSampler
 from dpopt.grad import PerExampleEngine
@@ -30,7 +30,9 @@ def optimizer(model, algorithm, z=1.0, clip=1.0, sampler=None, **hp):
     engine = PerExampleEngine(model, mlp_loss)
     sampler = sampler or PoissonSampler(N, 0.5, SecretStream(3, "sampling"))
     privatizer = Privatizer(Clipping(clip), GaussianNoise(z, clip, SecretStream(3, "noise")), sampler, PrivacyLedger())
-    return build_algorithm(algorithm, engine, privatizer, Hyperparameters(**hp))
+    config = CONFIGS[algorithm]  # a base recipe ignores DiSK's settings (kappa, gamma) given to compare with it
+    return build_algorithm(algorithm, engine, privatizer, config(**{k: v for k, v in hp.items()
+                                                                   if k in config.__dataclass_fields__}))
 
 
 def params(model):
@@ -276,7 +278,7 @@ def test_disk_refuses_a_base_with_its_own_statistic():
     privatizer = Privatizer(Clipping(1.0), GaussianNoise(1.0, 1.0, SecretStream(3, "noise")),
                             PoissonSampler(N, 0.5, SecretStream(3, "sampling")), PrivacyLedger())
     with pytest.raises(ValueError, match="its own two-point statistic"):
-        with_kalman(two_point)(engine, privatizer, Hyperparameters())
+        with_kalman(two_point)(engine, privatizer, DiSKSGD())
 
 
 @pytest.mark.parametrize("algorithm", ["disk-adam", "disk-grape"])
@@ -288,5 +290,5 @@ def test_cli_trains_disk_with_kappa_and_gamma(tmp_path, algorithm):
     assert main(["train", "--algorithm", algorithm, "--kappa", "0.6", "--gamma", "1.0", "--lr", "0.01",
                  "--epochs", "1", "--epsilon", "2", "--out", str(tmp_path), "--no-progress"]) == 0
     m = json.loads((tmp_path / "metrics.json").read_text())
-    assert m["config"]["hp"]["kappa"] == 0.6 and m["config"]["hp"]["gamma"] == 1.0
+    assert m["config"]["hyperparameters"]["kappa"] == 0.6 and m["config"]["hyperparameters"]["gamma"] == 1.0
     assert m["epsilon"] <= 2.0 and m["test_accuracy"] > 0.3

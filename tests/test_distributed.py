@@ -10,7 +10,7 @@ import torch.distributed as dist
 from helpers import mlp_loss, quiet
 from torch import nn
 
-from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
+from dpopt.algorithms import SGD, Adam, DiSKAdam, Privatizer, Projection, build_algorithm
 from dpopt.clipping import Clipping
 from dpopt.data.samplers import PoissonSampler
 from dpopt.grad.engine import PerExampleEngine
@@ -24,10 +24,10 @@ from dpopt.run import TrainConfig, train
 
 BASE = dict(model="mlp", epochs=1, noise_multiplier=1.0, accountant="rdp", secret_seed=0)  # one run, twice
 CONFIGS = {
-    "dp-sgd": TrainConfig(algorithm="dp-sgd", hp=Hyperparameters(lr=0.5, momentum=0.9), **BASE),
-    "disk-adam": TrainConfig(algorithm="disk-adam", hp=Hyperparameters(lr=0.01), **BASE),  # two-point statistic
-    "dp-grape": TrainConfig(algorithm="dp-grape", hp=Hyperparameters(lr=0.01, rank=8), **BASE),  # projected
-    "shuffle": TrainConfig(algorithm="dp-adam", sampling="shuffle", hp=Hyperparameters(lr=0.01), **BASE),
+    "dp-sgd": TrainConfig(algorithm="dp-sgd", hyperparameters=SGD(lr=0.5, momentum=0.9), **BASE),
+    "disk-adam": TrainConfig(algorithm="disk-adam", hyperparameters=DiSKAdam(lr=0.01), **BASE),  # two-point statistic
+    "dp-grape": TrainConfig(algorithm="dp-grape", hyperparameters=Projection(lr=0.01, rank=8), **BASE),  # projected
+    "shuffle": TrainConfig(algorithm="dp-adam", sampling="shuffle", hyperparameters=Adam(lr=0.01), **BASE),
 }
 
 
@@ -39,7 +39,7 @@ def _secure_steps(parallel: DataParallel | None, steps: int = 4) -> list[torch.T
     clipping = Clipping(1.0)
     privatizer = Privatizer(clipping, GaussianNoise(1.0, 1.0, SecretStream(None, "noise")),
                             PoissonSampler(64, 0.25, SecretStream(None, "sampling")), PrivacyLedger(), parallel)
-    opt = build_algorithm("dp-sgd", PerExampleEngine(model, mlp_loss), privatizer, Hyperparameters(lr=0.5))
+    opt = build_algorithm("dp-sgd", PerExampleEngine(model, mlp_loss), privatizer, SGD(lr=0.5))
     for _ in range(steps):
         opt.step(data)
     return [p.detach().clone() for p in model.parameters()]

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
+from dpopt.algorithms import CONFIGS, Privatizer, ZerothOrder, build_algorithm
 from dpopt.algorithms.zeroth_order import NonPrivate
 from dpopt.checkpoint import load_checkpoint
 from dpopt.cli import main
@@ -53,7 +53,7 @@ def optimizer(algorithm, model, loss, n, z=0.0, clip=1e6, seed=0, lr=0.1, sample
     sampler = sampler or FixedOrderSampler(n, n, SecretStream(seed, "sampling"))
     noise = GaussianNoise(z, clip, SecretStream(seed, "noise"))
     return build_algorithm(algorithm, engine, Privatizer(Clipping(clip), noise, sampler, PrivacyLedger()),
-                           Hyperparameters(lr=lr, **hp))
+                           CONFIGS[algorithm](lr=lr, **hp))
 
 
 def params(model):
@@ -266,7 +266,7 @@ def test_mezo_is_never_mistaken_for_a_private_run(tmp_path):
     sampler = FixedOrderSampler(10, 10, SecretStream(0, "sampling"))
     with pytest.raises(ValueError, match="adds no noise"):
         NonPrivate(Clipping(1.0), GaussianNoise(1.0, 1.0, SecretStream(0, "noise")), sampler, PrivacyLedger())
-    metrics = train(TrainConfig(algorithm="mezo", epochs=1, hp=Hyperparameters(lr=1e-3)), tmp_path,
+    metrics = train(TrainConfig(algorithm="mezo", epochs=1, hyperparameters=ZerothOrder(lr=1e-3)), tmp_path,
                     progress=False, log=lambda _: None)
     assert metrics["epsilon"] == math.inf and metrics["noise_multiplier"] == 0.0
     assert "NOT differentially private" in metrics["privacy_statement"]
@@ -277,7 +277,7 @@ def test_mezo_is_never_mistaken_for_a_private_run(tmp_path):
 @pytest.mark.parametrize("algorithm", ["dpzero", "dpgd-0th"])
 def test_zeroth_order_resume_reproduces_an_uninterrupted_run(tmp_path, algorithm):
     config = TrainConfig(algorithm=algorithm, epochs=3, epsilon=2.0, clip=5.0,
-                         hp=Hyperparameters(lr=1e-3, direction="sphere", direction_seed=3))
+                         hyperparameters=ZerothOrder(lr=1e-3, direction="sphere", direction_seed=3))
     full = train_keeping_epoch_one(config, tmp_path / "full", tmp_path / "cut")  # its own OS-entropy key
     resumed = resume(tmp_path / "cut", progress=False, log=lambda _: None)
     a, b = load_checkpoint(tmp_path / "full"), load_checkpoint(tmp_path / "cut")
@@ -290,7 +290,7 @@ def test_cli_trains_dpzero_and_refuses_bad_zeroth_order_input(tmp_path, capsys):
     assert main(["train", "--algorithm", "dpzero", "--epochs", "1", "--lr", "1e-3", "--clip", "5", "--smoothing",
                  "1e-3", "--direction", "sphere", "--out", str(tmp_path), "--no-progress"]) == 0
     m = json.loads((tmp_path / "metrics.json").read_text())
-    assert m["algorithm"] == "dpzero" and m["epsilon"] <= 2.0 and m["config"]["hp"]["direction"] == "sphere"
+    assert m["algorithm"] == "dpzero" and m["epsilon"] <= 2.0 and m["config"]["hyperparameters"]["direction"] == "sphere"
     for flags, message in [(["--smoothing", "0"], "smoothing lambda must be a finite number > 0"),
                            (["--direction", "rademacher"], "unknown direction law 'rademacher'"),
                            (["--algorithm", "mezo", "--epsilon", "2"], "mezo is not differentially private")]:
@@ -344,12 +344,12 @@ def test_train_calibrates_by_advanced_composition_on_request(relation, factor, c
     sensitivity (C, or 2C under replace-one), and the ledger still reports the exact epsilon of that noise,
     below the target (the formula ignores subsampling and is loose)."""
     config = TrainConfig(algorithm="dpzero", epochs=2, epsilon=2.0, relation=relation,
-                         calibration="advanced-composition", hp=Hyperparameters(lr=0.01))
+                         calibration="advanced-composition", hyperparameters=ZerothOrder(lr=0.01))
     m = train(config, progress=False, log=lambda _: None)
     assert m["noise_multiplier"] == pytest.approx(factor * advanced_composition_noise(2.0, 1e-5, m["steps"]))
     assert m["epsilon"] < 0.2 * 2.0
     accountant = train(TrainConfig(algorithm="dpzero", epochs=2, epsilon=2.0, relation=relation,
-                                   hp=Hyperparameters(lr=0.01)), progress=False, log=lambda _: None)
+                                   hyperparameters=ZerothOrder(lr=0.01)), progress=False, log=lambda _: None)
     assert accountant["epsilon"] == pytest.approx(2.0, rel=5e-3) and accountant["noise_multiplier"] < m["noise_multiplier"]
     for bad in (["--noise-multiplier", "1"], ["--algorithm", "dp-memf"], ["--algorithm", "mezo"]):
         with pytest.raises(SystemExit):

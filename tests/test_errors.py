@@ -14,7 +14,7 @@ from torch import nn
 
 from dpopt import extras
 from dpopt.run import build as train_module
-from dpopt.algorithms import Hyperparameters
+from dpopt.algorithms import hyperparameters_for
 from dpopt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from dpopt.cli import main
 from dpopt.clipping import Clipping
@@ -51,13 +51,15 @@ def test_unreachable_target_is_refused():
         noise_multiplier_for(1e-9, 1e-12, PoissonSampling(1.0), 10**9, "rdp")
 
 
-@pytest.mark.parametrize("fields,message", [
-    (dict(lr=math.nan), "learning rate"), (dict(momentum=1.0), "momentum must lie in"),
-    (dict(weight_decay=-0.1), "weight decay must be >= 0"), (dict(betas=(0.9, 1.0)), "betas must lie in"),
+@pytest.mark.parametrize("algorithm,fields,message", [
+    ("dp-sgd", dict(lr=math.nan), "learning rate"), ("dp-sgd", dict(momentum=1.0), "momentum must lie in"),
+    ("dp-adamw", dict(weight_decay=-0.1), "weight decay must be >= 0"),
+    ("dp-adam", dict(betas=(0.9, 1.0)), r"betas must be two numbers in \[0, 1\)"),
+    ("disk-sgd", dict(kappa=0.0), r"kappa must lie in \(0, 1\]"), ("dp-grape", dict(rank=0), "rank must be >= 1"),
 ])
-def test_optimizer_hyperparameters(fields, message):
+def test_optimizer_hyperparameters(algorithm, fields, message):
     with pytest.raises(ValueError, match=message):
-        Hyperparameters(**fields)
+        hyperparameters_for(algorithm, **fields)
 
 
 @pytest.mark.parametrize("field,valid", [
@@ -172,9 +174,11 @@ def test_rows_that_cannot_be_attributed_to_examples():
 
     with pytest.raises(ValueError, match="cannot be attributed to examples"):
         PerExampleEngine(Uneven(), mlp_loss).gradients((torch.randn(6, 4), torch.zeros(6, dtype=torch.long)))
-    batch = (torch.randn(5, 2, 3), torch.randint(0, 2, (5,)))
-    with pytest.raises(ExampleMixingError, match="do not match single-example backward passes"):
-        PerExampleEngine(Regrouped(), mlp_loss).verify(batch)
+    with pytest.raises(ExampleMixingError, match=r"torch.func could not take them per example over '<root>'"):
+        PerExampleEngine(Uneven(), mlp_loss).verify((torch.randn(6, 4), torch.zeros(6, dtype=torch.long)))
+    engine = PerExampleEngine(Regrouped(), mlp_loss)  # rows in the wrong order: found, and taken with torch.func
+    engine.verify((torch.randn(5, 2, 3), torch.randint(0, 2, (5,))))
+    assert {engine.names[i] for i in engine.routes[""]} == {"lin.weight", "lin.bias"}
 
 
 def test_every_row_of_the_error_table_names_an_existing_test():

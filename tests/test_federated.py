@@ -43,7 +43,7 @@ def quadratic(centres: torch.Tensor, x0: torch.Tensor, wobble: float = 0.0) -> P
 
 
 def config(**kw) -> FederatedConfig:
-    base = dict(clients=3, rounds=4, noise_multiplier=0.0, tau=0.7, lr=0.3, seed=5, eval_every=100)
+    base = dict(clients=3, rounds=4, noise_multiplier=0.0, clip=0.7, lr=0.3, seed=5, eval_every=100)
     return FederatedConfig(**{**base, **kw})
 
 
@@ -95,7 +95,7 @@ def test_updates_match_a_hand_computation(algorithm, beta, beta_hat, std):
 
 def test_clip21_sgd2m_with_unit_momenta_is_clip21_sgd():
     """Spec §3.5 (1): beta = beta_hat = 1 gives Clip21-SGD exactly, on a real model with mini-batches and noise."""
-    kw = dict(dataset="digits", model="logreg", clients=4, rounds=6, noise_multiplier=0.5, tau=0.05, lr=0.5,
+    kw = dict(dataset="digits", model="logreg", clients=4, rounds=6, noise_multiplier=0.5, clip=0.05, lr=0.5,
               batch_size=8, participation=0.75, eval_every=100)
     a = run_inprocess(build_setup(FederatedConfig(algorithm="clip21-sgd", **kw), key=1), progress=False, log=print)
     b = run_inprocess(build_setup(FederatedConfig(algorithm="clip21-sgd2m", beta=1.0, beta_hat=1.0, **kw), key=1),
@@ -106,7 +106,7 @@ def test_clip21_sgd2m_with_unit_momenta_is_clip21_sgd():
 def test_without_clipping_the_methods_reduce_to_heavy_ball_and_ema_momentum():
     """Spec §3.5 (2)-(3): tau = inf (here 1e9), no noise."""
     beta_hat = 0.3
-    setup = build_setup(config(algorithm="clip21-sgd2m", beta=1.0, beta_hat=beta_hat, tau=1e9),
+    setup = build_setup(config(algorithm="clip21-sgd2m", beta=1.0, beta_hat=beta_hat, clip=1e9),
                         quadratic(A, torch.ones(2), wobble=0.2))
     fed, x, g = InProcessFederation(setup), torch.ones(2), torch.zeros(2)
     for t in range(1, 6):
@@ -114,7 +114,7 @@ def test_without_clipping_the_methods_reduce_to_heavy_ball_and_ema_momentum():
         g = (1 - beta_hat) * g + beta_hat * (x - A.mean(0) + 0.2 * torch.tensor([math.sin(t + i) for i in range(3)]).mean())
         x = x - 0.3 * g
         torch.testing.assert_close(fed.server.x, x)
-    setup = build_setup(config(algorithm="clip21-sgd2m", beta=0.2, beta_hat=1.0, tau=1e9), quadratic(A, torch.ones(2)))
+    setup = build_setup(config(algorithm="clip21-sgd2m", beta=0.2, beta_hat=1.0, clip=1e9), quadratic(A, torch.ones(2)))
     fed = InProcessFederation(setup)
     for _ in range(5):
         fed.step()
@@ -128,7 +128,7 @@ def test_example_1_clip_gd_stalls_and_error_feedback_converges():
     runs = {"clip-sgd": dict(lr=0.1), "clip21-sgd": dict(lr=0.1), "clip21-sgd2m": dict(lr=0.05, beta=0.2, beta_hat=0.5)}
     final = {}
     for algorithm, kw in runs.items():
-        setup = build_setup(config(algorithm=algorithm, clients=2, tau=1.0, **kw), quadratic(centres, x0))
+        setup = build_setup(config(algorithm=algorithm, clients=2, clip=1.0, **kw), quadratic(centres, x0))
         fed = InProcessFederation(setup)
         for _ in range(3000 if algorithm == "clip21-sgd2m" else 1000):
             fed.step()
@@ -145,7 +145,7 @@ def test_error_feedback_invariants_hold_through_failures():
     direction equals mean g_i without noise; messages have norm <= tau before the noise."""
     lost = {(2, 1), (4, 3)}
     for std in (0.0, 0.4):
-        setup = build_setup(FederatedConfig(dataset="digits", model="logreg", clients=4, rounds=6, tau=0.05, lr=0.5,
+        setup = build_setup(FederatedConfig(dataset="digits", model="logreg", clients=4, rounds=6, clip=0.05, lr=0.5,
                                             beta=0.5, beta_hat=0.5, batch_size=8, participation=0.75, dropout=0.25,
                                             noise_multiplier=std / 0.05, eval_every=100), key=0)
         fed = InProcessFederation(setup, faults=lambda t, i: "lost" if (t, i) in lost else None)
@@ -159,13 +159,13 @@ def test_error_feedback_invariants_hold_through_failures():
             torch.testing.assert_close(fed.server.g - fed.g.mean(0), 0.5 * omega_sum, rtol=0, atol=1e-5)
         assert failures > 2  # crashes and lost messages did happen
     rows = torch.randn(50, 30) * torch.logspace(-3, 3, 50).unsqueeze(1)
-    out, shrunk = MessageClipping(0.1, "global", [10, 20])(rows)
+    out, shrunk = MessageClipping(0.1, "flat", [10, 20])(rows)
     assert (out.norm(dim=1) <= 0.1 * (1 + 1e-6)).all() and shrunk.any() and not shrunk.all()
-    layer = MessageClipping(0.1, "layerwise", [10, 20])
+    layer = MessageClipping(0.1, "per-layer", [10, 20])
     out, _ = layer(rows)
     assert (out[:, :10].norm(dim=1) <= 0.1 * (1 + 1e-6)).all() and (out[:, 10:].norm(dim=1) <= 0.1 * (1 + 1e-6)).all()
     assert layer.sensitivity == pytest.approx(0.1 * math.sqrt(2)) and out.norm(dim=1).max() > 0.1
-    bad, _ = MessageClipping(0.1, "global", [3])(torch.tensor([[float("nan"), 1.0, 2.0]]))
+    bad, _ = MessageClipping(0.1, "flat", [3])(torch.tensor([[float("nan"), 1.0, 2.0]]))
     assert torch.equal(bad, torch.zeros(1, 3))  # a non-finite message is sent as zero
 
 
@@ -196,7 +196,7 @@ def test_failures_continue_or_abort_without_corrupting_state():
 
 
 def test_per_client_ledgers_are_the_gaussian_mechanism_with_sensitivity_two_tau():
-    cfg = FederatedConfig(dataset="digits", model="logreg", clients=5, rounds=8, tau=0.5, noise_multiplier=3.0,
+    cfg = FederatedConfig(dataset="digits", model="logreg", clients=5, rounds=8, clip=0.5, noise_multiplier=3.0,
                           participation=0.6, batch_size=8, eval_every=100, delta=1e-6)
     result = run_inprocess(build_setup(cfg), progress=False, log=print)
     releases = result.metrics["releases_per_client"]
@@ -212,7 +212,7 @@ def test_per_client_ledgers_are_the_gaussian_mechanism_with_sensitivity_two_tau(
 
 
 def test_noise_calibration():
-    setup = build_setup(FederatedConfig(rounds=50, epsilon=4.0, delta=1e-5, tau=0.2, clipping="layerwise",
+    setup = build_setup(FederatedConfig(rounds=50, epsilon=4.0, delta=1e-5, clip=0.2, clipping="per-layer",
                                         dataset="digits", model="logreg"))
     assert setup.clipping.sensitivity == pytest.approx(0.2 * math.sqrt(2))  # weight and bias blocks
     assert setup.noise.std == pytest.approx(setup.noise.noise_multiplier * 0.2 * math.sqrt(2))
@@ -220,7 +220,7 @@ def test_noise_calibration():
     # Corollary 1's closed form (spec §4.6 scale check) and that it is conservative
     assert paper_noise_std(1.0, 100, 0.5, 1e-5) == pytest.approx(2 * 1097.3, rel=1e-4)
     assert paper_noise_std(1.0, 1000, 0.5, 1e-5) == pytest.approx(2 * 3706, rel=1e-3)
-    assert noise_std_for(1.0, 100, 0.5, 1e-5, "pld") < paper_noise_std(1.0, 100, 0.5, 1e-5) / 5
+    assert noise_std_for(1.0, 100, 0.5, 1e-5, "accountant") < paper_noise_std(1.0, 100, 0.5, 1e-5) / 5
     assert ledger_epsilon(ledger_of(paper_noise_std(1.0, 100, 0.5, 1e-5), 100), 1e-5) < 0.5 / 5
 
 
@@ -282,7 +282,7 @@ def test_a_given_partition():
 
 def test_cli_writes_metrics(tmp_path, capsys):
     assert main(["federated", "--algorithm", "clip21-sgd2m", "--dataset", "digits", "--model", "mlp",
-                 "--clients", "4", "--rounds", "30", "--noise-multiplier", "0.01", "--lr", "0.5", "--tau", "0.5",
+                 "--clients", "4", "--rounds", "30", "--noise-multiplier", "0.01", "--lr", "0.5", "--clip", "0.5",
                  "--split", "label", "--out", str(tmp_path), "--no-progress"]) == 0
     m = json.loads((tmp_path / "metrics.json").read_text())
     for key in ["test_accuracy", "epsilon", "delta", "rounds", "algorithm", "epsilon_per_client"]:
@@ -344,8 +344,8 @@ def test_client_noise_comes_from_os_entropy_unless_a_secret_seed_is_given(tmp_pa
 
 
 BAD = [
-    (dict(tau=0.0), "the clip radius tau must be a finite number > 0"),
-    (dict(tau=float("nan")), "the clip radius tau must be a finite number > 0"),
+    (dict(clip=0.0), "the clip radius tau must be a finite number > 0"),
+    (dict(clip=float("nan")), "the clip radius tau must be a finite number > 0"),
     (dict(beta=0.0), r"beta must lie in \(0, 1\]"),
     (dict(beta=1.5), r"beta must lie in \(0, 1\]"),
     (dict(beta_hat=0.0), r"beta_hat must lie in \(0, 1\]"),
@@ -360,8 +360,10 @@ BAD = [
     (dict(noise_multiplier=-1.0), "noise multiplier must be a finite number >= 0"),
     (dict(noise_multiplier=None), "give exactly one of epsilon"),
     (dict(epsilon=2.0), "give exactly one of epsilon"),
-    (dict(noise_multiplier=None, epsilon=2.0, noise_calibration="paper"), "proven for epsilon < 1"),
-    (dict(clipping="automatic"), "unknown clipping mode 'automatic'; choose one of global, layerwise"),
+    (dict(noise_multiplier=None, epsilon=2.0, calibration="advanced-composition"), "proven for epsilon < 1"),
+    (dict(clipping="automatic"), "unknown clipping mode 'automatic'; choose one of flat, per-layer"),
+    (dict(clipping="layerwise"), "clipping 'layerwise' is now 'per-layer'"),
+    (dict(calibration="paper"), "calibration 'paper' is now 'advanced-composition'"),
     (dict(split="dirichlet", dirichlet_alpha=0.0), "the Dirichlet concentration alpha must be > 0"),
     (dict(batch_size=0), "batch size must be an integer >= 1"),
 ]
@@ -376,8 +378,11 @@ def test_bad_input_gets_a_clear_error(kw, message):
 
 def test_cli_bad_input_and_missing_flower(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
-        main(["federated", "--tau", "-1", "--noise-multiplier", "1", "--out", str(tmp_path)])
+        main(["federated", "--clip", "-1", "--noise-multiplier", "1", "--out", str(tmp_path)])
     assert e.value.code == 2 and "tau must be a finite number > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["federated", "--tau", "1", "--noise-multiplier", "1", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "--tau is now --clip" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["federated", "--secure", "--noise-multiplier", "1", "--out", str(tmp_path)])
     assert e.value.code == 2 and "--secure is gone" in capsys.readouterr().err

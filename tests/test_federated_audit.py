@@ -48,7 +48,7 @@ def audit(algorithm: str, clipping: str, noise_scale: float, clients: int = 2000
     sign = torch.where(present, 10.0, -10.0).double()  # G = 10 τ: every clip binds
     problem = Problem(lambda x, who, t: sign[who].unsqueeze(1) * u, torch.zeros(2, dtype=torch.float64), [1, 1],
                       [1] * clients, lambda x: {})
-    config = FederatedConfig(algorithm=algorithm, clients=clients, rounds=rounds, noise_multiplier=8.0, tau=1.0,
+    config = FederatedConfig(algorithm=algorithm, clients=clients, rounds=rounds, noise_multiplier=8.0, clip=1.0,
                              lr=0.1, clipping=clipping, seed=3, eval_every=100)
     setup = build_setup(config, problem, key=3)  # secret seed 3: a fixed outcome, so the test never flakes
     fed = InProcessFederation(setup)
@@ -67,8 +67,8 @@ def audit(algorithm: str, clipping: str, noise_scale: float, clients: int = 2000
     return claimed[0], epsilon_lower_bound(scores, present)
 
 
-@pytest.mark.parametrize("algorithm,clipping", [("clip-sgd", "global"), ("clip21-sgd", "global"),
-                                                ("clip21-sgd2m", "global"), ("clip21-sgd2m", "layerwise")])
+@pytest.mark.parametrize("algorithm,clipping", [("clip-sgd", "flat"), ("clip21-sgd", "flat"),
+                                                ("clip21-sgd2m", "flat"), ("clip21-sgd2m", "per-layer")])
 def test_audit_lower_bound_respects_the_ledger_and_catches_missing_noise(algorithm, clipping):
     claimed, lower = audit(algorithm, clipping, noise_scale=1.0)
     # Sound. How far below the claim a correct run's bound lies depends on the noise drawn (secret seeds 0-39,

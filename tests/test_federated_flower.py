@@ -27,7 +27,7 @@ def lose_reply(msg, context, call_next):
 
 def test_flower_simulation_equals_the_in_process_run():
     config = FederatedConfig(algorithm="clip21-sgd2m", dataset="digits", model="mlp", clients=3, rounds=5,
-                             noise_multiplier=0.5, tau=0.05, lr=0.5, beta=0.5, beta_hat=0.5, participation=0.7,
+                             noise_multiplier=0.5, clip=0.05, lr=0.5, beta=0.5, beta_hat=0.5, participation=0.7,
                              dropout=0.2, eval_every=5)
     local = run_inprocess(build_setup(config, key=7), progress=False, log=print,
                           faults=lambda t, i: "lost" if (t, i) == LOST else None)

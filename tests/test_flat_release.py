@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
+from dpopt.algorithms import SGD, Privatizer, build_algorithm
 from dpopt.algorithms.base import as_param_dtypes
 from dpopt.clipping import Clipping
 from dpopt.data.samplers import FixedOrderSampler
@@ -138,7 +138,7 @@ def test_a_private_step_in_float64_is_the_sum_plus_noise_over_the_normaliser():
             e.add_(g * min(1.0, clip / float(norm)))
     noise = SecretStream(11, "noise").normals([p.shape for p in params], 0, dtype=torch.float64)
     p = privatizer(z, clip, 8)
-    opt = build_algorithm("dp-sgd", PerExampleEngine(model, mlp_loss), p, Hyperparameters(lr=lr),
+    opt = build_algorithm("dp-sgd", PerExampleEngine(model, mlp_loss), p, SGD(lr=lr),
                           physical_batch_size=3)  # three physical batches, added up
     opt.step((x, y))
     for b, a, s, n in zip(before, params, expected, noise):
@@ -148,7 +148,7 @@ def test_a_private_step_in_float64_is_the_sum_plus_noise_over_the_normaliser():
 def test_the_released_sums_are_one_flat_buffer_with_the_right_std():
     model = nn.Sequential(nn.Linear(300, 300), nn.Linear(300, 500))
     p = privatizer(2.0, 0.5, 1000)
-    opt = build_algorithm("dp-sgd", PerExampleEngine(model, mlp_loss), p, Hyperparameters(lr=1.0))
+    opt = build_algorithm("dp-sgd", PerExampleEngine(model, mlp_loss), p, SGD(lr=1.0))
     released = opt.released(None)  # an empty batch: noise alone
     flat = flat_view(released)
     assert flat is not None and flat.numel() == sum(q.numel() for q in model.parameters())

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
+from dpopt.algorithms import Privatizer, Projection, build_algorithm
 from dpopt.algorithms.grape import GaLore
 from dpopt.clipping import Clipping, clip_and_sum
 from dpopt.data.samplers import FixedOrderSampler, PoissonSampler
@@ -50,7 +50,7 @@ def test_projection_selects_sides():
     assert proj.shape(engine.names.index("tall.weight")) == (10, R)
     assert tuple(proj.matrix(engine.names.index("wide.weight")).shape) == (6, R)  # the smaller side
     opt = build_algorithm("dp-grape", engine, privatizer(1.0, 1.0),
-                          Hyperparameters(lr=0.01, rank=R, projection_exclude="wide, head"))
+                          Projection(lr=0.01, rank=R, projection_exclude="wide, head"))
     assert {engine.names[i] for i in opt.engine.projection.sides} == {"tall.weight", "square.weight"}
 
 
@@ -132,7 +132,7 @@ def test_flat_clipping_over_projected_and_unprojected_parts():
 def test_noise_lives_in_the_projected_space():
     model = Net()
     engine = PerExampleEngine(model, mlp_loss)
-    opt = build_algorithm("dp-grape", engine, privatizer(3.0, 0.5), Hyperparameters(lr=0.01, rank=R))
+    opt = build_algorithm("dp-grape", engine, privatizer(3.0, 0.5), Projection(lr=0.01, rank=R))
     noise, _ = opt.privatizer(None, engine.shapes, torch.device("cpu"), step=0)  # empty batch: noise alone
     unprojected = sum(p.numel() for i, p in enumerate(engine.params) if i not in engine.projection.sides)
     projected = sum(engine.shapes[i].numel() for i in engine.projection.sides)
@@ -157,7 +157,7 @@ def test_same_privacy_cost_as_dp_adam_and_training_moves():
         model = Net()
         data = (torch.randn(40, 3, 12), torch.randint(0, 3, (40,)))
         opt = build_algorithm(algorithm, PerExampleEngine(model, mlp_loss), privatizer(1.0, 1.0),
-                              Hyperparameters(lr=0.01, rank=R, subspace_every=2))
+                              Projection(lr=0.01, rank=R, subspace_every=2))
         before = [p.detach().clone() for p in model.parameters()]
         for _ in range(4):
             opt.step(data)
@@ -201,14 +201,14 @@ def test_galore_projection_is_the_top_singular_subspace_of_the_private_gradient(
 def test_resume_round_trip():
     model, data = Net(), (torch.randn(40, 3, 12), torch.randint(0, 3, (40,)))
     opt = build_algorithm("dp-grape", PerExampleEngine(model, mlp_loss), privatizer(1.0, 1.0),
-                          Hyperparameters(lr=0.01, rank=R, subspace_every=2))
+                          Projection(lr=0.01, rank=R, subspace_every=2))
     for _ in range(3):
         opt.step(data)
     state = copy.deepcopy(opt.state_dict())
     twin = Net()
     twin.load_state_dict(model.state_dict())
     opt2 = build_algorithm("dp-grape", PerExampleEngine(twin, mlp_loss), privatizer(1.0, 1.0),
-                           Hyperparameters(lr=0.01, rank=R, subspace_every=2))
+                           Projection(lr=0.01, rank=R, subspace_every=2))
     opt2.load_state_dict(state)
     opt.step(data)
     opt2.step(data)
@@ -244,7 +244,7 @@ def test_without_clipping_and_noise_dp_grape_is_projected_adam_on_the_batch_grad
     sigma = 0 is Adam with random projected moments on the autograd batch gradient, across a refresh."""
     model, data = Net(), (torch.randn(16, 3, 12), torch.randint(0, 3, (16,)))
     twin = copy.deepcopy(model)
-    hp = Hyperparameters(lr=0.01, rank=R, subspace_every=2, projection_seed=3)
+    hp = Projection(lr=0.01, rank=R, subspace_every=2, projection_seed=3)
     opt = build_algorithm("dp-grape", PerExampleEngine(model, mlp_loss), full_batch_privatizer(16), hp)
     proj = RandomProjection.on(PerExampleEngine(twin, mlp_loss), R, 2, seed=3)
     ref = ProjectedAdam(list(twin.parameters()), proj, 0.01, eps=hp.eps)
@@ -261,7 +261,7 @@ def test_without_clipping_and_noise_dp_grape_is_projected_adam_on_the_batch_grad
 def test_without_clipping_and_noise_naive_dp_galore_is_galore():
     model, data = Net(), (torch.randn(16, 3, 12), torch.randint(0, 3, (16,)))
     twin = copy.deepcopy(model)
-    hp = Hyperparameters(lr=0.01, rank=R, subspace_every=2)
+    hp = Projection(lr=0.01, rank=R, subspace_every=2)
     opt = build_algorithm("dp-galore", PerExampleEngine(model, mlp_loss), full_batch_privatizer(16), hp)
     galore = GaLore(twin, R, every=2, lr=0.01, eps=hp.eps)
     assert galore.projection.sides == opt.transforms[0].sides

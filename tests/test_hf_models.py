@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm  # noqa: E402
+from dpopt.algorithms import Privatizer, Projection, build_algorithm  # noqa: E402
 from dpopt.clipping import Clipping  # noqa: E402
 from dpopt.data.samplers import PoissonSampler  # noqa: E402
 from dpopt.grad import PerExampleEngine  # noqa: E402
@@ -80,7 +80,7 @@ def test_dp_training_steps_run(name, algorithm):
     engine = PerExampleEngine(model, loss)
     sampler = PoissonSampler(B, 0.5, SecretStream(0, "sampling"))
     privatizer = Privatizer(Clipping(1.0), GaussianNoise(0.5, 1.0, SecretStream(0, "noise")), sampler, PrivacyLedger())
-    opt = build_algorithm(algorithm, engine, privatizer, Hyperparameters(lr=1e-3, rank=8))
+    opt = build_algorithm(algorithm, engine, privatizer, Projection(lr=1e-3, rank=8))
     before = [p.detach().clone() for p in engine.params]
     for _ in range(3):
         opt.step(batch)

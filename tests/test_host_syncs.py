@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
+from dpopt.algorithms import CONFIGS, Privatizer, build_algorithm
 from dpopt.clipping import Clipping
 from dpopt.data.samplers import PoissonSampler
 from dpopt.grad.engine import PerExampleEngine
@@ -87,7 +87,7 @@ def syncs_per_step(build, depth: int, algorithm: str, clipping: str) -> Counter:
     sampler = PoissonSampler(N, 0.5, SecretStream(1, "sampling"))
     privatizer = Privatizer(Clipping(0.1, clipping), GaussianNoise(1.0, 0.1, SecretStream(2, "noise")), sampler,
                             PrivacyLedger())
-    hp = Hyperparameters(lr=0.1, gamma=0.1) if algorithm.startswith("disk") else Hyperparameters(lr=0.1)
+    hp = CONFIGS[algorithm](lr=0.1, gamma=0.1) if algorithm.startswith("disk") else CONFIGS[algorithm](lr=0.1)
     opt = build_algorithm(algorithm, PerExampleEngine(model, mlp_loss), privatizer, hp)
     for _ in range(2):  # the first step verifies attribution (once per run); DiSK's statistic is two-point from step 1
         opt.step(data)

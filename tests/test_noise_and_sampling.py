@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
+from dpopt.algorithms import SGD, Adam, Privatizer, build_algorithm
 from dpopt.clipping import Clipping
 from dpopt.data.samplers import PoissonSampler, ShuffleSampler, FixedOrderSampler
 from dpopt.grad import PerExampleEngine
@@ -111,7 +111,7 @@ def test_empty_batches_get_noise_and_are_counted():
     model = nn.Linear(300, 300)
     sampler = PoissonSampler(1000, 1e-6, SecretStream(0, "sampling"))  # batches are almost surely empty
     p = privatizer(sampler, z=2.0, clip=0.5)
-    opt = build_algorithm("dp-sgd", PerExampleEngine(model, mlp_loss), p, Hyperparameters(lr=1.0))
+    opt = build_algorithm("dp-sgd", PerExampleEngine(model, mlp_loss), p, SGD(lr=1.0))
     before = model.weight.detach().clone()
     data = (torch.randn(1000, 300), torch.randint(0, 300, (1000,)))
     result = opt.step(data)
@@ -125,7 +125,7 @@ def test_empty_batches_get_noise_and_are_counted():
 def test_release_is_recorded_every_step():
     model = nn.Sequential(nn.Linear(4, 3))
     p = privatizer(PoissonSampler(64, 0.25, SecretStream(0, "sampling")), z=1.0)
-    opt = build_algorithm("dp-adam", PerExampleEngine(model, mlp_loss), p, Hyperparameters(lr=0.01))
+    opt = build_algorithm("dp-adam", PerExampleEngine(model, mlp_loss), p, Adam(lr=0.01))
     data = (torch.randn(64, 4), torch.randint(0, 3, (64,)))
     for _ in range(7):
         opt.step(data)

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from dpopt.algorithms import Hyperparameters
+from dpopt.algorithms import CONFIGS
 from dpopt.run import build as train_module
 from dpopt.run import TrainConfig, build_run
 
@@ -22,10 +22,10 @@ def _float64(float64_digits):
 
 
 def run_steps(algorithm: str, physical: int | None, clipping: str = "flat", steps: int = 3, batch: int = 96,
-              sampling: str = "auto", **hp):
+              sampling: str = "auto", bands: int = 0, **hp):
     config = TrainConfig(algorithm=algorithm, dataset="digits", model="mlp", noise_multiplier=0.01, epochs=1,
-                         batch_size=batch, clipping=clipping, sampling=sampling, seed=0, secret_seed=0,
-                         hp=dataclasses.replace(Hyperparameters(), **hp))
+                         batch_size=batch, clipping=clipping, sampling=sampling, bands=bands, seed=0, secret_seed=0,
+                         hyperparameters=CONFIGS[algorithm](**hp))
     run = build_run(config, log=lambda _: None)
     run.optimizer.physical_batch_size = physical
     privatizer, released = run.optimizer.privatizer, []
@@ -53,7 +53,7 @@ def test_chunked_steps_release_what_the_whole_batch_releases(algorithm):
 
 
 def test_chunking_keeps_amplified_banded_noise():
-    """Cyclic Poisson batches and banded noise (dp-memf at a noise multiplier takes fixed order by default)."""
+    """Cyclic Poisson batches and banded noise (dp-memf's own mechanism, here with a given period)."""
     assert_same_run(run_steps("dp-memf", None, sampling="cyclic", bands=3),
                     run_steps("dp-memf", 7, sampling="cyclic", bands=3))
 

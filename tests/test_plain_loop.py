@@ -16,6 +16,8 @@ def setup(physical=16, **kwargs):
     x, y = torch.randn(200, 6, dtype=torch.float64), torch.randint(0, 3, (200,))
     loss = lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none")  # noqa: E731
     optimizer = kwargs.pop("optimizer", None) or torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5)
+    if isinstance(optimizer, str):  # a recipe's name
+        optimizer, kwargs["algorithm"] = None, optimizer
     data = kwargs.pop("data", None) or (x, y)
     return make_private(model, optimizer, data, loss, batch_size=40, noise_multiplier=0.5, clip=0.1,
                         physical_batch_size=physical, secret_seed=0, **kwargs), loss
@@ -71,8 +73,9 @@ def test_bad_input_is_refused():
             yield from zip(*data)
 
     with pytest.raises(ValueError, match="no __len__"):
-        make_private(model, "dp-sgd", Stream(), loss, batch_size=10, noise_multiplier=1.0)
-    _, optimizer, batches = make_private(model, "dp-sgd", data, loss, batch_size=10, noise_multiplier=1.0)
+        make_private(model, None, Stream(), loss, algorithm="dp-sgd", batch_size=10, noise_multiplier=1.0)
+    _, optimizer, batches = make_private(model, None, data, loss, algorithm="dp-sgd", batch_size=10,
+                                         noise_multiplier=1.0)
     with pytest.raises(RuntimeError, match="without a batch"):
         optimizer.step()
     it = iter(batches)

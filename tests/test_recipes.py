@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
+from dpopt.algorithms import SGD, Adam, Privatizer, build_algorithm
 from dpopt.clipping import Clipping
 from dpopt.data.samplers import PoissonSampler
 from dpopt.grad import PerExampleEngine
@@ -32,10 +32,10 @@ def dp_optimizer(name, model, hp, z, clip, rate=1.0):
 
 
 @pytest.mark.parametrize("name,hp,reference", [
-    ("dp-sgd", Hyperparameters(lr=0.3), lambda p: torch.optim.SGD(p, lr=0.3)),
-    ("dp-sgd", Hyperparameters(lr=0.3, momentum=0.9), lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.9)),
-    ("dp-adam", Hyperparameters(lr=0.01), lambda p: torch.optim.Adam(p, lr=0.01)),
-    ("dp-adamw", Hyperparameters(lr=0.01, weight_decay=0.1), lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1)),
+    ("dp-sgd", SGD(lr=0.3), lambda p: torch.optim.SGD(p, lr=0.3)),
+    ("dp-sgd", SGD(lr=0.3, momentum=0.9), lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.9)),
+    ("dp-adam", Adam(lr=0.01), lambda p: torch.optim.Adam(p, lr=0.01)),
+    ("dp-adamw", Adam(lr=0.01, weight_decay=0.1), lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1)),
 ])
 def test_without_clipping_or_noise_a_recipe_is_its_torch_optimizer(name, hp, reference):
     model, data = problem()
@@ -56,7 +56,7 @@ def test_dp_sgd_step_is_clipped_sum_plus_secret_noise_over_expected_batch():
     model, data = problem()
     before = [p.detach().clone() for p in model.parameters()]
     z, clip, rate, lr = 1.3, 0.05, 0.5, 0.7
-    opt = dp_optimizer("dp-sgd", model, Hyperparameters(lr=lr), z, clip, rate)
+    opt = dp_optimizer("dp-sgd", model, SGD(lr=lr), z, clip, rate)
     batch_index = opt.privatizer.sampler.batch(0)
     per_example = PerExampleEngine(model, mlp_loss, "vmap").gradients(
         tuple(t[batch_index] for t in data)).materialize()

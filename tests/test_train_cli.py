@@ -11,7 +11,7 @@ import dp_accounting as dpa
 import pytest
 import torch
 
-from dpopt.algorithms import Hyperparameters
+from dpopt.algorithms import CONFIGS, Adam
 from dpopt.checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, save_checkpoint
 from dpopt.cli import main
 from dpopt.data import datasets
@@ -55,8 +55,8 @@ def test_train_writes_metrics(tmp_path, capsys):
 
 @pytest.mark.parametrize("algorithm", ["dp-sgd", "dp-adam"])
 def test_resume_reproduces_an_uninterrupted_run(tmp_path, algorithm):
-    hp = Hyperparameters(lr=0.5 if algorithm == "dp-sgd" else 0.01)
-    config = TrainConfig(algorithm=algorithm, hp=hp, **QUICK | {"epochs": 3})
+    hp = CONFIGS[algorithm](lr=0.5 if algorithm == "dp-sgd" else 0.01)
+    config = TrainConfig(algorithm=algorithm, hyperparameters=hp, **QUICK | {"epochs": 3})
     full = train_keeping_epoch_one(config, tmp_path / "full", tmp_path / "cut")  # its own OS-entropy key
     assert load_checkpoint(tmp_path / "cut")["step"] == 11
     resumed = resume(tmp_path / "cut", progress=False, log=quiet)
@@ -272,7 +272,7 @@ def test_nonfinite_gradients_in_training_contribute_zero_warn_and_are_counted(mo
 
 
 def test_checkpoint_holds_model_optimizer_ledger_sampler_and_rng_and_refuses_a_changed_sampler(tmp_path):
-    train(TrainConfig(epochs=2, epsilon=2.0, algorithm="dp-adam", hp=Hyperparameters(lr=0.01)), tmp_path,
+    train(TrainConfig(epochs=2, epsilon=2.0, algorithm="dp-adam", hyperparameters=Adam(lr=0.01)), tmp_path,
           progress=False, log=quiet)
     state = load_checkpoint(tmp_path)
     assert {"model", "optimizer", "ledger", "sampler", "rng", "config", "step"} <= set(state)
@@ -303,9 +303,10 @@ def test_trainable_trains_only_the_matching_parameters(tmp_path, algorithm):
     """--trainable freezes every other parameter: the checkpoint's frozen tensors are the initial ones, the
     chosen ones moved, and the run's ledger is the same as training everything (privacy does not depend on
     which parameters are trained)."""
-    config = TrainConfig(algorithm=algorithm, epochs=1, epsilon=2.0, trainable=r"^3\.", hp=Hyperparameters(lr=0.05))
+    config = TrainConfig(algorithm=algorithm, epochs=1, epsilon=2.0, trainable=r"^3\.",
+                         hyperparameters=CONFIGS[algorithm](lr=0.05))
     metrics = train(config, tmp_path / "head", progress=False, log=quiet)
-    full = train(TrainConfig(algorithm=algorithm, epochs=1, epsilon=2.0, hp=Hyperparameters(lr=0.05)),
+    full = train(TrainConfig(algorithm=algorithm, epochs=1, epsilon=2.0, hyperparameters=CONFIGS[algorithm](lr=0.05)),
                  tmp_path / "all", progress=False, log=quiet)
     head, everything = load_checkpoint(tmp_path / "head")["model"], load_checkpoint(tmp_path / "all")["model"]
     initial = initial_state(config)

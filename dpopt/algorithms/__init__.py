@@ -2,9 +2,13 @@
 
 from dpopt.algorithms import correlated, disk, first_order, grape, zeroth_order  # noqa: F401  (registers the recipes)
 from dpopt.algorithms.base import DPOptimizer, Privatizer, StepResult, Transform
-from dpopt.algorithms.registry import (ALGORITHMS, DECAYED_WORKLOAD, DEFAULT_NOISE, DEFAULT_SAMPLING, DEFAULTS,
-                                       NON_PRIVATE, Hyperparameters, StepRule, build_algorithm, register)
+from dpopt.algorithms.hyperparameters import (SGD, SRG, SRGD, Adam, DiSKAdam, DiSKProjection, DiSKSGD, Hyperparameters,
+                                              Projection, StepRule, ZerothOrder)
+from dpopt.algorithms.registry import (ALGORITHMS, CONFIGS, DEFAULT_NOISE, DEFAULT_SAMPLING, DEFAULT_TREE_DECODER,
+                                       DEFAULTS, NON_PRIVATE, applies_to, build_algorithm, check_algorithm,
+                                       hyperparameters_for, register)
 
-__all__ = ["ALGORITHMS", "DECAYED_WORKLOAD", "DEFAULT_NOISE", "DEFAULT_SAMPLING", "DEFAULTS", "NON_PRIVATE",
-           "DPOptimizer", "Hyperparameters", "Privatizer", "StepResult", "StepRule", "Transform", "build_algorithm",
-           "register"]
+__all__ = ["ALGORITHMS", "CONFIGS", "DEFAULT_NOISE", "DEFAULT_SAMPLING", "DEFAULT_TREE_DECODER", "DEFAULTS",
+           "NON_PRIVATE", "SGD", "SRG", "SRGD", "Adam", "DPOptimizer", "DiSKAdam", "DiSKProjection", "DiSKSGD",
+           "Hyperparameters", "Privatizer", "Projection", "StepResult", "StepRule", "Transform", "ZerothOrder",
+           "applies_to", "build_algorithm", "check_algorithm", "hyperparameters_for", "register"]

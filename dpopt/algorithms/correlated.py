@@ -19,14 +19,15 @@ import warnings
 
 from dpopt.algorithms.base import DPOptimizer, Privatizer
 from dpopt.algorithms.first_order import BASES
-from dpopt.algorithms.registry import Hyperparameters, StepRule, register
+from dpopt.algorithms.hyperparameters import SGD, SRG, SRGD, StepRule
+from dpopt.algorithms.registry import register
 from dpopt.grad.engine import PerExampleEngine
 from dpopt.transforms.nesterov import AcceleratedSRG
 from dpopt.transforms.srg import RecursiveGradient
 
 
 # defaults: tuned on digits, MLP, epsilon 2 (docs/defaults.md)
-def _sgd(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
+def _sgd(engine: PerExampleEngine, privatizer: Privatizer, hp: SGD) -> DPOptimizer:
     return DPOptimizer(engine, privatizer, BASES["sgd"](engine.params, hp))
 
 
@@ -38,13 +39,13 @@ def _sgd(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) 
 # (sonar, golub); and at least 0.1, for the same reason as DP-FTRL's floor (MNIST's 9,380 steps) (docs/defaults.md).
 FTRL_LR = StepRule(0.465, 0.5, floor=0.03)
 SRGD_LR = StepRule(3.1, 0.5, cap=0.2, floor=0.1)
-register("dp-ftrl", noise="tree", sampling="cyclic",
-         defaults={"lr": FTRL_LR, "momentum": 0.9, "tree_decoder": "least-squares"})(_sgd)
-register("dp-memf", noise="mf", sampling="cyclic", defaults={"lr": 0.3})(_sgd)
+register("dp-ftrl", SGD, noise="tree", sampling="cyclic", tree_decoder="least-squares",
+         defaults={"lr": FTRL_LR, "momentum": 0.9})(_sgd)
+register("dp-memf", SGD, noise="mf", sampling="cyclic", defaults={"lr": 0.3})(_sgd)
 
 
-@register("dp-srg-memf", noise="mf", sampling="cyclic", decayed=True, defaults={"lr": 0.3})
-def dp_srg_memf(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
+@register("dp-srg-memf", SRG, noise="mf", sampling="cyclic", defaults={"lr": 0.3})
+def dp_srg_memf(engine: PerExampleEngine, privatizer: Privatizer, hp: SRG) -> DPOptimizer:
     srg = RecursiveGradient(hp.decay)
     return DPOptimizer(engine, privatizer, BASES["sgd"](engine.params, hp), transforms=[srg], statistic=srg.statistic)
 
@@ -62,7 +63,7 @@ ACCELERATED_SCALE = StepRule(1 / 938, -1.0, floor=1.0)
 
 
 def _srgd(accelerate: bool):
-    def recipe(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
+    def recipe(engine: PerExampleEngine, privatizer: Privatizer, hp: SRGD) -> DPOptimizer:
         steps = getattr(privatizer.noise, "horizon", 0)  # the run's length, where the noise is built for it
         if accelerate and steps and hp.lr > TOO_LARGE * ACCELERATED_LR(steps):
             warnings.warn(f"accel-dp-srgd's step 1/beta = lr = {hp.lr:g} over {steps} steps is likely too large: "
@@ -75,6 +76,6 @@ def _srgd(accelerate: bool):
     return recipe
 
 
-register("accel-dp-srgd", noise="tree", sampling="cyclic",
+register("accel-dp-srgd", SRGD, noise="tree", sampling="cyclic",
          defaults={"lr": ACCELERATED_LR, "statistic_scale": ACCELERATED_SCALE})(_srgd(True))
-register("dp-srgd", noise="tree", sampling="cyclic", defaults={"lr": SRGD_LR})(_srgd(False))
+register("dp-srgd", SRGD, noise="tree", sampling="cyclic", defaults={"lr": SRGD_LR})(_srgd(False))

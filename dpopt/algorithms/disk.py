@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from dpopt.algorithms import first_order, grape  # noqa: F401  (registers the bases wrapped below)
 from dpopt.algorithms.base import DPOptimizer, Privatizer
-from dpopt.algorithms.registry import ALGORITHMS, DEFAULTS, Hyperparameters, Recipe, register
+from dpopt.algorithms.hyperparameters import DiSKAdam, DiSKProjection, DiSKSGD, Hyperparameters
+from dpopt.algorithms.registry import ALGORITHMS, DEFAULTS, Recipe, register
 from dpopt.grad.engine import PerExampleEngine
 from dpopt.transforms.kalman import KalmanFilter
 
-WRAPPED = {"disk-sgd": "dp-sgd", "disk-adam": "dp-adam", "disk-adamw": "dp-adamw", "disk-grape": "dp-grape"}
+WRAPPED = {"disk-sgd": ("dp-sgd", DiSKSGD), "disk-adam": ("dp-adam", DiSKAdam), "disk-adamw": ("dp-adamw", DiSKAdam),
+           "disk-grape": ("dp-grape", DiSKProjection)}
 
 
 def with_kalman(recipe: Recipe) -> Recipe:
@@ -28,5 +30,5 @@ def with_kalman(recipe: Recipe) -> Recipe:
     return disk
 
 
-for _name, _base in WRAPPED.items():
-    register(_name, defaults=DEFAULTS[_base])(with_kalman(ALGORITHMS[_base]))
+for _name, (_base, _config) in WRAPPED.items():
+    register(_name, _config, defaults=DEFAULTS[_base])(with_kalman(ALGORITHMS[_base]))

@@ -8,7 +8,8 @@ from typing import Callable
 import torch
 
 from dpopt.algorithms.base import DPOptimizer, Privatizer
-from dpopt.algorithms.registry import Hyperparameters, StepRule, register
+from dpopt.algorithms.hyperparameters import SGD, Adam, Hyperparameters, StepRule
+from dpopt.algorithms.registry import register
 from dpopt.grad.engine import PerExampleEngine
 
 BASES: dict[str, Callable[[list[torch.Tensor], Hyperparameters], torch.optim.Optimizer]] = {
@@ -32,4 +33,5 @@ def _dp(base: str):
 # (docs/defaults.md).
 ADAM_DEFAULTS = {"lr": StepRule(0.15, 0.5)}
 for _name in BASES:
-    register(f"dp-{_name}", defaults=None if _name == "sgd" else ADAM_DEFAULTS)(_dp(_name))
+    register(f"dp-{_name}", SGD if _name == "sgd" else Adam,
+             defaults=None if _name == "sgd" else ADAM_DEFAULTS)(_dp(_name))

@@ -18,14 +18,15 @@ from torch import nn
 
 from dpopt.algorithms.base import DPOptimizer, Privatizer
 from dpopt.algorithms.first_order import ADAM_DEFAULTS
-from dpopt.algorithms.registry import Hyperparameters, StepRule, register
+from dpopt.algorithms.hyperparameters import Projection, StepRule
+from dpopt.algorithms.registry import register
 from dpopt.grad.engine import PerExampleEngine
 from dpopt.grad.projection import EXCLUDE, RandomProjection, SVDProjection, parse_exclude, projectable
 from dpopt.transforms.projected_adam import ProjectedAdam
 
 
-@register("dp-grape", defaults=ADAM_DEFAULTS)
-def dp_grape(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
+@register("dp-grape", Projection, defaults=ADAM_DEFAULTS)
+def dp_grape(engine: PerExampleEngine, privatizer: Privatizer, hp: Projection) -> DPOptimizer:
     projection = RandomProjection.on(engine, hp.rank, hp.subspace_every, hp.projection_seed,
                                      parse_exclude(hp.projection_exclude))
     engine.projection = projection
@@ -38,8 +39,8 @@ def dp_grape(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparamete
 GALORE_DEFAULTS = {"lr": StepRule(0.3, 0.5)}
 
 
-@register("dp-galore", defaults=GALORE_DEFAULTS)
-def dp_galore(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
+@register("dp-galore", Projection, defaults=GALORE_DEFAULTS)
+def dp_galore(engine: PerExampleEngine, privatizer: Privatizer, hp: Projection) -> DPOptimizer:
     projection = SVDProjection.on(engine, hp.rank, hp.subspace_every, parse_exclude(hp.projection_exclude))
     update = ProjectedAdam(engine.params, projection, hp.lr, hp.betas, hp.eps, hp.weight_decay, hp.reset_moments)
     return DPOptimizer(engine, privatizer, update, transforms=[projection])

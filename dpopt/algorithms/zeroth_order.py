@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from dpopt.algorithms.base import DPOptimizer, Privatizer
-from dpopt.algorithms.registry import Hyperparameters, register
+from dpopt.algorithms.hyperparameters import ZerothOrder
+from dpopt.algorithms.registry import register
 from dpopt.clipping import ClipStats, PerExampleStatistic
 from dpopt.grad.engine import PerExampleEngine
 from dpopt.grad.zeroth_order import Direction, DirectionalGradients, PerExampleScalars, finite_differences
@@ -70,11 +71,11 @@ class NonPrivate(Privatizer):
         return sums
 
 
-def _direction(engine: PerExampleEngine, hp: Hyperparameters) -> Direction:
+def _direction(engine: PerExampleEngine, hp: ZerothOrder) -> Direction:
     return Direction(engine.params, hp.direction_seed, hp.direction)
 
 
-def _scalar_step(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
+def _scalar_step(engine: PerExampleEngine, privatizer: Privatizer, hp: ZerothOrder) -> DPOptimizer:
     direction = _direction(engine, hp)
 
     def statistic(eng: PerExampleEngine, batch: Any) -> PerExampleScalars:
@@ -84,19 +85,19 @@ def _scalar_step(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperpara
                        statistic=statistic, shapes=SCALAR, verify=False)
 
 
-@register("dpzero", defaults={"lr": 0.2})
-def dpzero(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
+@register("dpzero", ZerothOrder, defaults={"lr": 0.2})
+def dpzero(engine: PerExampleEngine, privatizer: Privatizer, hp: ZerothOrder) -> DPOptimizer:
     return _scalar_step(engine, privatizer, hp)
 
 
-@register("mezo", private=False, defaults={"lr": 0.01})
-def mezo(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
+@register("mezo", ZerothOrder, private=False, defaults={"lr": 0.01})
+def mezo(engine: PerExampleEngine, privatizer: Privatizer, hp: ZerothOrder) -> DPOptimizer:
     plain = NonPrivate(privatizer.clipping, privatizer.noise, privatizer.sampler, privatizer.ledger)
     return _scalar_step(engine, plain, hp)
 
 
-@register("dpgd-0th", defaults={"lr": 0.1})
-def dpgd_0th(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
+@register("dpgd-0th", ZerothOrder, defaults={"lr": 0.1})
+def dpgd_0th(engine: PerExampleEngine, privatizer: Privatizer, hp: ZerothOrder) -> DPOptimizer:
     direction = _direction(engine, hp)
 
     def statistic(eng: PerExampleEngine, batch: Any) -> DirectionalGradients:

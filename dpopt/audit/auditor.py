@@ -23,12 +23,12 @@ claimed is the run's own ledger's at the audit's delta.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from dpopt.algorithms import ALGORITHMS, DPOptimizer, Hyperparameters, Privatizer
+from dpopt.algorithms import ALGORITHMS, DPOptimizer, Hyperparameters, Privatizer, hyperparameters_for
 from dpopt.audit.bounds import ThresholdTest, threshold_audit
 from dpopt.clipping import Clipping
 from dpopt.data.samplers import PoissonSampler
@@ -56,7 +56,7 @@ class AuditSpec:
     seed: int = 0  # the auditor's canary draw (public to the auditor)
     secret_seed: int | None = None  # the audited runs' secret streams: replayable; None: OS-entropy keys
     device: str = "cpu"  # where the model-based setups (first-order recipes) run
-    hp: Hyperparameters = field(default_factory=lambda: Hyperparameters(lr=0.01))
+    lr: float = 0.01  # the audited recipe's learning rate; its other hyper-parameters are its defaults
 
     def __post_init__(self) -> None:
         check_budget(self.epsilon, self.delta)
@@ -73,6 +73,11 @@ class AuditSpec:
         if not self.canary_norm >= 1.0:
             raise ValueError(f"canaries must reach the clip bound (canary_norm >= 1), got {self.canary_norm}")
         resolve_device(self.device)
+
+    def hyperparameters(self, algorithm: str, **settings: object) -> Hyperparameters:
+        """The audited recipe's hyper-parameters: its defaults at ``lr`` over the run's steps, with ``settings`` on
+        top."""
+        return hyperparameters_for(algorithm, lr=self.lr, **settings).for_run(self.steps)
 
 
 @dataclass(frozen=True)

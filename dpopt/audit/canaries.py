@@ -21,7 +21,6 @@ DP-GRAPE and DP-GaLore): their audits differ only where their privatization diff
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Callable
 
@@ -58,13 +57,15 @@ class GaussianCanaries:
         return Observation(self.score(x, privatizer).cpu(), privatizer.ledger)
 
     def run_recipe(self, algorithm: str, spec: AuditSpec, model: nn.Module, loss: LossFn, ids: torch.Tensor,
-                   configure: Callable[[PerExampleEngine], None] | None = None) -> tuple[torch.Tensor, Privatizer]:
+                   configure: Callable[[PerExampleEngine], None] | None = None,
+                   **settings: object) -> tuple[torch.Tensor, Privatizer]:
         """Build the recipe on ``model`` with the canaries ``ids`` as its dataset, run ``spec.steps`` steps
         and return the releases of the (only) parameter, stacked on a last step dimension, in units of the
-        clip bound; ``configure`` sees the engine after the recipe was built (a projection, say)."""
+        clip bound; ``configure`` sees the engine after the recipe was built (a projection, say); ``settings``
+        are the recipe's hyper-parameters beside ``spec.lr``."""
         engine = PerExampleEngine(model, loss)
         privatizer = self.privatizer(algorithm, spec, len(ids))
-        optimizer = build_algorithm(algorithm, engine, privatizer, spec.hp)
+        optimizer = build_algorithm(algorithm, engine, privatizer, spec.hyperparameters(algorithm, **settings))
         if configure is not None:
             configure(engine)
         recorder = record_releases(optimizer, 0)
@@ -121,9 +122,8 @@ class ProjectedDirac(GaussianCanaries):
                 directions = (p @ torch.linalg.inv(p.T @ p)).float()
 
         # The subspace must not change during the audit, so that the directions stay valid.
-        spec = dataclasses.replace(spec, hp=dataclasses.replace(spec.hp, rank=r, subspace_every=spec.steps))
         releases, privatizer = self.run_recipe(algorithm, spec, model, loss, present.nonzero().squeeze(1),
-                                                  configure)
+                                                  configure, rank=r, subspace_every=spec.steps)
         return releases[row, col], privatizer
 
 

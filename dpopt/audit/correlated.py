@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import torch
 
@@ -28,7 +27,8 @@ class CorrelatedRows(DiracRows):
     def privatizer(self, algorithm: str, spec: AuditSpec, dataset_size: int) -> Privatizer:
         batch = max(1, round(spec.sample_rate * dataset_size))
         plan = PrivacyPlan(algorithm, dataset_size, batch, steps=spec.steps, epsilon=spec.epsilon, delta=spec.delta,
-                           clip=spec.clip, sampling="fixed", hp=spec.hp)
+                           clip=spec.clip, sampling="fixed",
+                           hyperparameters=spec.hyperparameters(algorithm))
         return plan.make(secret_key(spec.secret_seed), log=lambda _: None)
 
     def score(self, x: torch.Tensor, privatizer: Privatizer) -> torch.Tensor:
@@ -57,7 +57,8 @@ class AmplifiedBandedRows(DiracRows):
     def privatizer(self, algorithm: str, spec: AuditSpec, dataset_size: int) -> Privatizer:
         batch = max(1, round(spec.sample_rate * dataset_size / self.period))  # rate: spec.sample_rate
         plan = PrivacyPlan(algorithm, dataset_size, batch, steps=spec.steps, epsilon=spec.epsilon, delta=spec.delta,
-                           clip=spec.clip, sampling="cyclic", hp=dataclasses.replace(spec.hp, bands=self.period))
+                           clip=spec.clip, sampling="cyclic", bands=self.period,
+                           hyperparameters=spec.hyperparameters(algorithm))
         return plan.make(secret_key(spec.secret_seed), log=lambda _: None)
 
     def score(self, x: torch.Tensor, privatizer: Privatizer) -> torch.Tensor:

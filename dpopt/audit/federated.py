@@ -31,7 +31,7 @@ class LocalDPClients:
         problem = Problem(lambda x, who, t: sign[who].unsqueeze(1) * u, torch.zeros(2, dtype=torch.float64),
                           [1, 1], [1] * k, lambda x: {})
         config = FederatedConfig(algorithm=algorithm, clients=k, rounds=spec.steps, epsilon=spec.epsilon,
-                                 delta=spec.delta, tau=spec.clip, lr=spec.hp.lr, seed=spec.seed,
+                                 delta=spec.delta, clip=spec.clip, lr=spec.lr, seed=spec.seed,
                                  eval_every=spec.steps + 1)
         federation = InProcessFederation(build_setup(config, problem, key=spec.secret_seed))
         sent: list[torch.Tensor] = []

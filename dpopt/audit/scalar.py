@@ -24,12 +24,12 @@ class ScalarRuns(GaussianCanaries):
     default_canaries = 20_000
 
     def observations(self, algorithm: str, spec: AuditSpec, present: torch.Tensor) -> tuple[torch.Tensor, Privatizer]:
-        hp = dataclasses.replace(spec.hp, direction="sphere")
+        hp = spec.hyperparameters(algorithm, direction="sphere")
         x = torch.empty(len(present), spec.steps, dtype=torch.float64)
         one = torch.zeros(1, dtype=torch.long)
         for k, here in enumerate(present.tolist()):
             secret = None if spec.secret_seed is None else derive_seed(spec.secret_seed, "audit run", k)
-            run = dataclasses.replace(spec, secret_seed=secret, hp=hp)
+            run = dataclasses.replace(spec, secret_seed=secret)
             model = nn.Embedding(1, 1)
             nn.init.zeros_(model.weight)
             scale = float(here) * spec.canary_norm * spec.clip

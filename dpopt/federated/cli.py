@@ -22,6 +22,7 @@ from dpopt.federated.privacy import CALIBRATIONS
 from dpopt.federated.rules import ALGORITHMS, CLIP_MODES
 from dpopt.federated.simulator import ClientFailure, run_inprocess, save_outputs
 from dpopt.models import MODELS
+from dpopt.names import add_renamed_flags
 from dpopt.run import MODEL_DIR
 
 RUNTIMES = ("simulation", "deployment")
@@ -53,11 +54,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     budget.add_argument("--noise-multiplier", type=float,
                         help="sigma_omega / sensitivity (the paper's noise-to-clip ratio); 0 = no privacy")
     p.add_argument("--delta", type=float, default=d.delta)
-    p.add_argument("--noise-calibration", default=d.noise_calibration, choices=CALIBRATIONS,
-                   help="with --epsilon: PLD accountant, or the paper's closed form (Corollary 1, epsilon < 1)")
-    p.add_argument("--tau", type=float, default=d.tau, help="clip radius of every message")
+    p.add_argument("--calibration", default=d.calibration, choices=CALIBRATIONS,
+                   help="with --epsilon: the PLD accountant, or the paper's closed form via advanced composition "
+                        "(Corollary 1, epsilon < 1)")
+    p.add_argument("--clip", type=float, default=d.clip, help="clip radius tau of every message")
     p.add_argument("--clipping", default=d.clipping, choices=CLIP_MODES,
-                   help="one norm for the whole message, or tau per parameter tensor (sensitivity tau*sqrt(K))")
+                   help="one norm for the whole message, or --clip per parameter tensor (sensitivity clip*sqrt(K))")
+    add_renamed_flags(p, tau="--clip", noise_calibration="--calibration")
     p.add_argument("--lr", type=float, default=d.lr, help="server step size gamma")
     p.add_argument("--beta", type=float, help="client momentum beta (clip21-sgd2m; default 0.1)")
     p.add_argument("--beta-hat", type=float, help="shift and server damping beta-hat (clip21-sgd2m; default 1)")

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from dpopt.data.datasets import DATASETS, load_dataset
 from dpopt.device import resolve_device, to_device
 from dpopt.federated.partition import SPLITS, partition
-from dpopt.federated.privacy import CALIBRATIONS, LocalNoise, noise_std_for
+from dpopt.federated.privacy import LocalNoise, check_calibration, noise_std_for
 from dpopt.federated.problem import FlatLayout, ModelOracle, Problem
 from dpopt.federated.rules import ALGORITHMS, CLIP_MODES, MessageClipping, Method
 from dpopt.models import MODELS, build_model
@@ -29,6 +29,7 @@ from dpopt.privacy import check_budget
 from dpopt.run import accuracy
 
 ENGINES = ("inprocess", "flower")
+RENAMED_KEYS = {"tau": "clip", "noise_calibration": "calibration"}
 FAILURE_POLICIES = ("continue", "abort")
 
 
@@ -42,9 +43,9 @@ class FederatedConfig:
     epsilon: float | None = None
     delta: float = 1e-5
     noise_multiplier: float | None = None  # σ_ω / sensitivity (the paper's noise-to-clip ratio, global clipping)
-    noise_calibration: str = "pld"
-    tau: float = 1.0
-    clipping: str = "global"
+    calibration: str = "accountant"  # or "advanced-composition": the paper's closed form (Corollary 1)
+    clip: float = 1.0  # the clip radius tau of every message
+    clipping: str = "flat"
     lr: float = 0.1
     beta: float | None = None  # None: 0.1 for clip21-sgd2m, 1 otherwise
     beta_hat: float | None = None  # None: 1
@@ -60,7 +61,7 @@ class FederatedConfig:
 
     def validate(self) -> None:
         for name, known in [("dataset", DATASETS), ("model", MODELS), ("split", SPLITS),
-                            ("noise_calibration", CALIBRATIONS), ("on_failure", FAILURE_POLICIES)]:
+                            ("on_failure", FAILURE_POLICIES)]:
             if getattr(self, name) not in known:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(sorted(known))}")
         for name in ("clients", "rounds", "eval_every"):
@@ -86,7 +87,8 @@ class FederatedConfig:
             raise ValueError(f"batch size must be an integer >= 1 (or None for all local data), got {self.batch_size}")
         if self.split == "dirichlet" and not self.dirichlet_alpha > 0:
             raise ValueError(f"the Dirichlet concentration alpha must be > 0, got {self.dirichlet_alpha}")
-        MessageClipping(self.tau, self.clipping, [1])
+        MessageClipping(self.clip, self.clipping, [1])
+        check_calibration(self.calibration)
         self.method()
         resolve_device(self.device)
 
@@ -100,6 +102,8 @@ class FederatedConfig:
     @classmethod
     def from_json(cls, text: str) -> "FederatedConfig":
         data = json.loads(text)
+        for old in data.keys() & RENAMED_KEYS.keys():
+            raise ValueError(f"federated config key {old!r} is now {RENAMED_KEYS[old]!r}")
         unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown federated config keys: {', '.join(sorted(unknown))}")
@@ -161,9 +165,9 @@ def build_setup(config: FederatedConfig, problem: Problem | None = None, key: in
     problem = problem if problem is not None else classification_problem(config, key)
     if problem.clients != config.clients:
         raise ValueError(f"the problem has {problem.clients} clients but the config says {config.clients}")
-    clipping = MessageClipping(config.tau, config.clipping, problem.block_sizes)
+    clipping = MessageClipping(config.clip, config.clipping, problem.block_sizes)
     if config.epsilon is not None:
-        std = noise_std_for(clipping.sensitivity, config.rounds, config.epsilon, config.delta, config.noise_calibration)
+        std = noise_std_for(clipping.sensitivity, config.rounds, config.epsilon, config.delta, config.calibration)
     else:
         std = config.noise_multiplier * clipping.sensitivity
     return Setup(config, config.method(), clipping, LocalNoise(std, clipping.sensitivity), problem, key)

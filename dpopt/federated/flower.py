@@ -259,8 +259,8 @@ class Clip21Strategy(Strategy):
 
     def summary(self) -> None:
         c = self.setup.config
-        logging.getLogger("flwr").info("%s: %d clients, tau %g (%s), noise std %g, %d rounds", c.algorithm,
-                                       c.clients, c.tau, c.clipping, self.setup.noise.std, c.rounds)
+        logging.getLogger("flwr").info("%s: %d clients, clip %g (%s), noise std %g, %d rounds", c.algorithm,
+                                       c.clients, c.clip, c.clipping, self.setup.noise.std, c.rounds)
 
 
 def make_server_app(config_json: str | None = None, results: dict[str, Any] | None = None,

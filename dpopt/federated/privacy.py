@@ -34,7 +34,8 @@ from dpopt.noise.rng import SecretStream
 from dpopt.privacy import (FixedParticipation, GaussianRelease, PrivacyLedger, Relation, check_budget,
                            noise_multiplier_for)
 
-CALIBRATIONS = ("pld", "paper")
+CALIBRATIONS = ("accountant", "advanced-composition")  # the PLD accountant, or the paper's closed form
+RENAMED_CALIBRATIONS = {"pld": "accountant", "paper": "advanced-composition"}
 EVERY_ROUND = FixedParticipation(1)
 
 
@@ -43,16 +44,23 @@ def paper_noise_std(sensitivity: float, rounds: int, epsilon: float, delta: floa
     check_budget(epsilon, delta)
     if epsilon >= 1.0:
         raise ValueError(f"the paper's closed-form noise (Corollary 1, via advanced composition) is proven for "
-                         f"epsilon < 1, got {epsilon}; use --noise-calibration pld")
+                         f"epsilon < 1, got {epsilon}; use --calibration accountant")
     return 8.0 * sensitivity / epsilon * math.sqrt(rounds * math.log(5 * rounds / (4 * delta)) * math.log(1 / delta))
 
 
-def noise_std_for(sensitivity: float, rounds: int, epsilon: float, delta: float, calibration: str = "pld") -> float:
+def check_calibration(calibration: str) -> None:
+    if calibration in RENAMED_CALIBRATIONS:
+        raise ValueError(f"calibration {calibration!r} is now {RENAMED_CALIBRATIONS[calibration]!r}")
+    if calibration not in CALIBRATIONS:
+        raise ValueError(f"unknown calibration {calibration!r}; choose one of {', '.join(CALIBRATIONS)}")
+
+
+def noise_std_for(sensitivity: float, rounds: int, epsilon: float, delta: float,
+                  calibration: str = "accountant") -> float:
     """σ_ω that makes a client releasing in all ``rounds`` rounds (ε, δ)-DP."""
-    if calibration == "paper":
+    check_calibration(calibration)
+    if calibration == "advanced-composition":
         return paper_noise_std(sensitivity, rounds, epsilon, delta)
-    if calibration != "pld":
-        raise ValueError(f"unknown noise calibration {calibration!r}; choose one of {', '.join(CALIBRATIONS)}")
     z = noise_multiplier_for(epsilon, delta, EVERY_ROUND, rounds, "pld", Relation.REPLACE_ONE)
     return z * sensitivity
 

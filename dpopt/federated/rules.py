@@ -30,7 +30,8 @@ import torch
 from dpopt.clipping import Clipping
 
 ALGORITHMS = ("clip-sgd", "clip21-sgd", "clip21-sgd2m")
-CLIP_MODES = ("global", "layerwise")
+CLIP_MODES = ("flat", "per-layer")  # one norm for the message, or one per parameter tensor
+RENAMED_CLIP_MODES = {"global": "flat", "layerwise": "per-layer"}
 
 
 def _in_unit_interval(name: str, value: float) -> None:
@@ -70,8 +71,8 @@ class Method:
 
 
 class MessageClipping:
-    """clip_τ over the whole message (``global``, eq. 4) or over each parameter tensor separately
-    (``layerwise``, the paper's per-layer clipping with the same τ for every block; spec §3.1).
+    """clip_τ over the whole message (``flat``, eq. 4) or over each parameter tensor separately
+    (``per-layer``, the paper's layer-wise clipping with the same τ for every block; spec §3.1).
 
     Built on the core ``Clipping``: layer-wise is its ``per-layer`` mode with bound τ√K, which clips each of
     the K blocks to τ. ``sensitivity`` is the largest norm a message can have before noise: τ, or τ√K."""
@@ -79,10 +80,12 @@ class MessageClipping:
     def __init__(self, tau: float, mode: str, block_sizes: Sequence[int]) -> None:
         if not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau > 0):
             raise ValueError(f"the clip radius tau must be a finite number > 0, got {tau}")
+        if mode in RENAMED_CLIP_MODES:
+            raise ValueError(f"clipping {mode!r} is now {RENAMED_CLIP_MODES[mode]!r}")
         if mode not in CLIP_MODES:
             raise ValueError(f"unknown clipping mode {mode!r}; choose one of {', '.join(CLIP_MODES)}")
         self.tau, self.mode = float(tau), mode
-        self.block_sizes = [int(s) for s in block_sizes] if mode == "layerwise" else [sum(block_sizes)]
+        self.block_sizes = [int(s) for s in block_sizes] if mode == "per-layer" else [sum(block_sizes)]
         blocks = len(self.block_sizes)
         self.core = Clipping(self.tau * math.sqrt(blocks), "per-layer" if blocks > 1 else "flat")
 

@@ -149,11 +149,11 @@ def finish(setup: Setup, server: ServerState, ledgers: list[dict], history: list
     if setup.problem.classes is not None and "test_accuracy" in final:
         d, n = server.x.numel(), config.clients
         warning = chance_warning(
-            final["test_accuracy"], setup.problem.classes, f"sigma * sqrt(d / n) / tau, d = {d} parameters, n = {n} "
+            final["test_accuracy"], setup.problem.classes, f"sigma * sqrt(d / n) / clip, d = {d} parameters, n = {n} "
             "clients: the noise of the mean message over its largest clipped norm", setup.noise.std * math.sqrt(d / n)
-            / config.tau, history[-1].get("clipped_fraction", 0.0) if history else 0.0,
+            / config.clip, history[-1].get("clipped_fraction", 0.0) if history else 0.0,
             "more clients, fewer --rounds, a larger --epsilon or a smaller model",
-            f"a round moves the server at most lr * tau = {config.lr * config.tau:.3g}; raise --lr or --tau")
+            f"a round moves the server at most lr * clip = {config.lr * config.clip:.3g}; raise --lr or --clip")
         if warning is not None:
             metrics["warning"] = warning
             warnings.warn(warning, stacklevel=2)

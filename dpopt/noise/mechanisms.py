@@ -25,6 +25,8 @@ from dpopt.privacy.calibrate import noise_multiplier_for
 from dpopt.privacy.ledger import CyclicPoissonSampling
 
 NOISES = ("gaussian", "tree", "sqrt", "banded", "mf")
+WORKLOADS = ("ones", "true")  # what an optimised factorization targets: prefix sums, or the run's momentum/decay
+TREE_DECODERS = ("sum", "least-squares")
 # The dense optimiser is O(T³) per L-BFGS iteration (≈ 1.1 s at T = 2000 on one CPU core, docs/correlated_noise.md;
 # about 2 min at T = 10,000) and the dense mechanism keeps one model-sized row per past step.
 MAX_DENSE_STEPS = 2048

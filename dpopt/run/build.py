@@ -72,19 +72,19 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel:
     if config.batch_size is None:  # the config keeps the value the run uses
         config = dataclasses.replace(config, batch_size=min(DEFAULT_BATCH, n))
     plan = config.plan(n).resolved(log)
-    config = dataclasses.replace(config, hp=plan.hp)  # the config keeps the cyclic period the run uses
+    config = dataclasses.replace(config, bands=plan.bands)  # the config keeps the cyclic period the run uses
     privatizer = plan.make(key, log, parallel)
     sampler, total = privatizer.sampler, plan.total_steps(privatizer.sampler)
-    for name, rule in config.hp.rules().items():  # set by the run's length: the config keeps the value used
+    for name, rule in config.hyperparameters.rules().items():  # set by the run's length; the config keeps the value
         flag = "--" + name.replace("_", "-")
         log(f"{config.algorithm}: {name} = {rule} = {rule(total):.3g} over {total} steps "
             f"(its default depends on the run's length; {flag} sets it)")
-    config = dataclasses.replace(config, hp=config.hp.for_run(total))
+    config = dataclasses.replace(config, hyperparameters=config.hyperparameters.for_run(total))
     ledger = privatizer.ledger
     physical = min(DEFAULT_PHYSICAL_BATCH, n) if config.physical_batch_size is None else config.physical_batch_size
     if physical > n:
         raise ValueError(f"the physical batch size ({physical}) exceeds the {n} training examples")
-    optimizer = build_algorithm(config.algorithm, engine, privatizer, config.hp, physical)
+    optimizer = build_algorithm(config.algorithm, engine, privatizer, config.hyperparameters, physical)
     return Run(config, data, model, optimizer, sampler, ledger, total, key)
 
 

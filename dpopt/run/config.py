@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpopt import plan
-from dpopt.algorithms import ALGORITHMS, NON_PRIVATE, Hyperparameters, StepRule
+from dpopt.algorithms import CONFIGS, DEFAULT_TREE_DECODER, NON_PRIVATE, Hyperparameters, StepRule, hyperparameters_for
 from dpopt.algorithms.base import check_physical_batch_size
 from dpopt.clipping import Clipping
 from dpopt.data.datasets import DATASETS, check_dataset, default_epochs, default_model
@@ -52,6 +52,9 @@ class TrainConfig:
     sampling: str = "auto"  # the recipe's (DEFAULT_SAMPLING) with its own noise and an epsilon; else poisson for iid
     # noise, fixed for correlated noise
     noise: str = "auto"  # the recipe's mechanism (DEFAULT_NOISE)
+    bands: int = 0  # banded noise's bands and cyclic sampling's period (0: chosen by the plan)
+    workload: str = "ones"  # what an optimised factorization targets (PrivacyPlan)
+    tree_decoder: str | None = None  # None: the recipe's
     accountant: str = "pld"
     relation: str = "add-remove"
     per_example: str = "hooks"
@@ -64,11 +67,11 @@ class TrainConfig:
     trainable: str | None = None  # regular expression: train only the parameters whose names it matches (None:
     # the model's default, MODEL_TRAINABLE, set at construction; every weight where it has none)
     calibration: str = "accountant"  # or "advanced-composition" (DPZero Lemma 2.2: loose, for faithful reproductions)
-    hp: Hyperparameters | None = None  # None: the algorithm's defaults (Hyperparameters.for_algorithm)
+    hyperparameters: Hyperparameters | None = None  # None: the algorithm's defaults (hyperparameters_for)
 
     def __post_init__(self) -> None:
-        if self.hp is None:  # resolved here, so the config (and the checkpoint) holds the values the run uses
-            object.__setattr__(self, "hp", Hyperparameters.for_algorithm(self.algorithm))
+        if self.hyperparameters is None:  # resolved here, so the config (and the checkpoint) holds what the run uses
+            object.__setattr__(self, "hyperparameters", hyperparameters_for(self.algorithm))
         if self.epochs is None:
             object.__setattr__(self, "epochs", default_epochs(self.dataset))
         if self.model is None:
@@ -82,10 +85,11 @@ class TrainConfig:
         if hf_folder(self.model) is not None and self.dataset in DATASETS:
             raise ValueError(f"model {self.model!r} tokenizes its text itself and takes a dataset file "
                              f"(CSV, JSONL, Parquet, save_to_disk), not the built-in {self.dataset!r}")
-        for name, known in [("algorithm", ALGORITHMS), ("sampling", ("auto", *SAMPLINGS)), ("noise", ("auto", *NOISES)),
+        for name, known in [("sampling", ("auto", *SAMPLINGS)), ("noise", ("auto", *NOISES)),
                             ("per_example", MODES), ("strategy", STRATEGIES), ("accountant", ACCOUNTANTS)]:
             if getattr(self, name) not in known:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(sorted(known))}")
+        plan.check_noise_settings(self)
         if self.algorithm in NON_PRIVATE:
             if self.epsilon is not None or self.noise_multiplier not in (None, 0.0):
                 raise ValueError(f"{self.algorithm} is not differentially private (no clipping, no noise), so it "
@@ -136,9 +140,12 @@ class TrainConfig:
 
     def plan(self, dataset_size: int) -> PrivacyPlan:
         """The run's privacy plan over ``dataset_size`` examples (``batch_size`` set: see ``build_run``)."""
-        return PrivacyPlan(self.algorithm, dataset_size, self.batch_size, self.epochs, None, self.epsilon,
-                           self.noise_multiplier, self.delta, self.clip, self.clipping, self.noise, self.sampling,
-                           self.accountant, self.relation, self.calibration, self.calibration_epochs, self.hp)
+        return PrivacyPlan(self.algorithm, dataset_size, self.batch_size, self.epochs, epsilon=self.epsilon,
+                           noise_multiplier=self.noise_multiplier, delta=self.delta, clip=self.clip,
+                           clipping=self.clipping, noise=self.noise, sampling=self.sampling, bands=self.bands,
+                           workload=self.workload, tree_decoder=self.tree_decoder, accountant=self.accountant,
+                           relation=self.relation, calibration=self.calibration,
+                           calibration_epochs=self.calibration_epochs, hyperparameters=self.hyperparameters)
 
     @property
     def randomness(self) -> str:
@@ -154,10 +161,29 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        data = _from_flat_hp(data)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown config keys: {', '.join(sorted(unknown))}")
-        hp = {k: tuple(v) if isinstance(v, list) else StepRule(**v) if isinstance(v, dict) else v
-              for k, v in data.get("hp", {}).items()}  # a dict: an lr rule not yet resolved (to_dict's asdict)
-        return cls(**{**data, "hp": Hyperparameters(**hp)})
+        hp = {k: StepRule(**v) if isinstance(v, dict) else v  # a dict: a rule not yet resolved (to_dict's asdict)
+              for k, v in data.get("hyperparameters", {}).items()}
+        return cls(**{**data, "hyperparameters": CONFIGS[data.get("algorithm", "dp-sgd")](**hp)})
+
+
+NOISE_SETTINGS = ("bands", "workload", "tree_decoder")
+
+
+def _from_flat_hp(data: dict[str, Any]) -> dict[str, Any]:
+    """A config saved with one flat ``hp`` record of every recipe's fields, as its family's ``hyperparameters``
+    and the plan's noise settings (a checkpoint written before the typed configs)."""
+    if "hp" not in data:
+        return data
+    data = dict(data)
+    flat = data.pop("hp")
+    own = {f.name for f in dataclasses.fields(CONFIGS[data.get("algorithm", "dp-sgd")])}
+    data.update({k: flat[k] for k in NOISE_SETTINGS if k in flat})
+    if data.get("tree_decoder") == DEFAULT_TREE_DECODER.get(data.get("algorithm", "dp-sgd"), "sum"):
+        data["tree_decoder"] = None  # the recipe's own
+    data["hyperparameters"] = {k: v for k, v in flat.items() if k in own}
+    return data

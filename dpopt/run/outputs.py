@@ -29,7 +29,7 @@ def chance_warning(run: Run, last: dict[str, Any]) -> str | None:
         f"B = {run.config.batch_size}", ratio, last.get("clipped_fraction", 0.0),
         "use a larger --batch-size or --epsilon, or train fewer weights (a smaller model, or --trainable: e.g. "
         "a pretrained model's head)",
-        f"each step moves at most lr * C = {run.config.hp.lr * run.config.clip:.3g}; raise --clip or --lr")
+        f"each step moves at most lr * C = {run.config.hyperparameters.lr * run.config.clip:.3g}; raise --clip or --lr")
 
 
 def bar_epsilon(ledger: PrivacyLedger, delta: float) -> str:

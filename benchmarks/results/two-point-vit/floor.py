@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import dpopt.grad.gradients as engine
-from dpopt.algorithms import Hyperparameters, Privatizer, build_algorithm
+from dpopt.algorithms import CONFIGS, Privatizer, build_algorithm
 from dpopt.clipping import Clipping
 from dpopt.data.datasets import Dataset
 from dpopt.data.samplers import FixedOrderSampler
@@ -29,7 +29,7 @@ def cpu_per_step(model_name: str, algorithm: str, steps: int = 3) -> float:
     privatizer = Privatizer(Clipping(1.0), GaussianNoise(1.0, 1.0, SecretStream(0, "noise")),
                             FixedOrderSampler(B, B, SecretStream(0, "sampling")), PrivacyLedger())
     loss = lambda m, b: F.cross_entropy(logits(m(b[0])), b[1], reduction="none")  # noqa: E731
-    opt = build_algorithm(algorithm, PerExampleEngine(build(), loss), privatizer, Hyperparameters(lr=0.01))
+    opt = build_algorithm(algorithm, PerExampleEngine(build(), loss), privatizer, CONFIGS[algorithm](lr=0.01))
     opt.step((x, y))
     start = time.process_time()
     for _ in range(steps):

@@ -1,0 +1,40 @@
+"""Old names of public arguments and flags: a call or command line that uses one gets a one-line error naming
+the new one."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from typing import Any, Callable, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def renamed(**new_names: str) -> Callable[[F], F]:
+    """Refuse the keyword arguments ``old=`` of the decorated function with "``old=`` is now ``new=``"."""
+
+    def wrap(function: F) -> F:
+        @functools.wraps(function)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            for old in kwargs.keys() & new_names.keys():
+                raise TypeError(f"{function.__name__}({old}=...) is now {new_names[old]}=")
+            return function(*args, **kwargs)
+
+        return call  # type: ignore[return-value]
+
+    return wrap
+
+
+def add_renamed_flags(parser: argparse.ArgumentParser, **new_flags: str) -> None:
+    """Hidden flags ``--old`` that stop the parse with "--old is now --new" (exit 2)."""
+    for old, new in new_flags.items():
+        flag = "--" + old.replace("_", "-")
+        parser.add_argument(flag, nargs="?", help=argparse.SUPPRESS, action=_renamed_flag(f"{flag} is now {new}"))
+
+
+def _renamed_flag(message: str) -> type[argparse.Action]:
+    class Renamed(argparse.Action):
+        def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+            parser.error(message)
+
+    return Renamed
