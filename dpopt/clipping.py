@@ -10,11 +10,12 @@ which the accountant applies); every mode below guarantees it.
 * ``automatic`` — g_i * C / (||g_i|| + stability) (Bu et al., "Automatic clipping", 2023): every example
   normalised, norm < C.
 
-An example whose norm is not finite gets weight 0 and contributes nothing; it is counted (and ``dpopt train``
-warns). A negative squared norm is an error, never a weight. ``clip_and_sum`` keeps the counts and the
-negative-norm check on the device while it weighs (once per chunk of examples, which may be once per layer) and
-reads them once, before it returns the sums: one host synchronisation per call, and nothing is released before
-the check.
+An example whose norm is not finite gets weight 0 and contributes nothing (its non-finite entries are zeroed where
+they are summed, without leaving the device); it is counted (and ``dpopt train`` warns). A negative squared norm is
+an error, never a weight. ``clip_and_sum`` keeps what it learns on the device while it weighs (``Weighing``: the
+lowest squared norm, the counts, the finite losses, and the flags the statistic adds, such as ghost norms that
+cancelled) and reads it all in one host synchronisation per call; a negative squared norm is refused after that
+read, before the sums are returned, so nothing is released before the check.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -49,43 +50,42 @@ class Clipping:
 
     def weights(self, sq_norms: torch.Tensor, groups: list[int],
                 check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-example, per-parameter weights [B, P] and the mask of examples with finite norms [B]. A negative
-        squared norm is refused: norms are sums of squares, so it can only be a numerical failure, and turning
-        it into a weight (NaN, then 0) would hide it. ``check=False`` leaves that check to the caller (which must
-        make it before anything is released: ``clip_and_sum`` does, once per call instead of once per chunk, and
-        raises instead of returning the sums these weights formed)."""
+        """Per-example, per-parameter weights [B, P] (flat and automatic: one column, expanded) and the mask of
+        examples with finite norms [B]. A negative squared norm is refused: norms are sums of squares, so it can
+        only be a numerical failure, and turning it into a weight (NaN, then 0) would hide it. ``check=False``
+        leaves that check to the caller (which must make it before anything is released: ``clip_and_sum`` does,
+        after its one read, and raises instead of returning the sums these weights formed)."""
         if check:
-            _refuse_negative(_lowest(sq_norms))
+            _refuse_negative(float(_lowest(sq_norms)))
         if self.mode == "per-layer":
             group = _group_index(tuple(groups), sq_norms.device)
             n_groups = max(groups) + 1
             per_group = sq_norms.new_zeros(sq_norms.shape[0], n_groups).index_add_(1, group, sq_norms)
             norms = per_group.sqrt()
-            finite = torch.isfinite(norms).all(1)
+            finite = (norms < math.inf).all(1)  # NaN is not below
             w = (self.bound / math.sqrt(n_groups) / norms.clamp_min(1e-30)).clamp(max=1.0)[:, group]
+            return torch.where(finite.unsqueeze(1), w, 0.0), finite
+        norms = sq_norms.sum(1).sqrt()
+        finite = norms < math.inf
+        if self.mode == "flat":
+            w = (self.bound / norms.clamp_min(1e-30)).clamp(max=1.0)
         else:
-            norms = sq_norms.sum(1).sqrt()
-            finite = torch.isfinite(norms)
-            if self.mode == "flat":
-                w = (self.bound / norms.clamp_min(1e-30)).clamp(max=1.0)
-            else:
-                w = self.bound / (norms + self.stability)
-            w = w.unsqueeze(1).expand_as(sq_norms)
-        w = torch.where(finite.unsqueeze(1), w, torch.zeros_like(w))
-        return w, finite
+            w = self.bound / (norms + self.stability)
+        # an infinite norm gives weight 0 already, a NaN one NaN: made 0
+        return w.nan_to_num(0.0).unsqueeze(1).expand_as(sq_norms), finite
 
 
 def _lowest(sq_norms: torch.Tensor) -> torch.Tensor:
-    """The most negative entry of ``sq_norms``, or 0 if none is negative (NaN entries are not negative), on the
-    device."""
-    negative = torch.where(sq_norms < 0, sq_norms, sq_norms.new_zeros(()))
-    return negative.min() if negative.numel() else negative.new_zeros(())
+    """The smallest entry of ``sq_norms`` that is not NaN (0 for none), on the device: negative if any is."""
+    if not sq_norms.numel():
+        return sq_norms.new_zeros(())
+    return sq_norms.nan_to_num(0.0, math.inf, -math.inf).amin()
 
 
-def _refuse_negative(lowest: torch.Tensor | float | None) -> None:
-    """Raise if ``lowest`` (``_lowest`` of the squared norms) is negative (a host synchronisation)."""
-    if lowest is not None and float(lowest) < 0:
-        raise FloatingPointError(f"a per-example squared norm is negative ({float(lowest):.3e}): the norm "
+def _refuse_negative(lowest: float) -> None:
+    """Raise if ``lowest`` (``_lowest`` of the squared norms, read) is negative."""
+    if lowest < 0:
+        raise FloatingPointError(f"a per-example squared norm is negative ({lowest:.3e}): the norm "
                                  "computation lost precision; please report this model and statistic")
 
 
@@ -100,6 +100,55 @@ class ClipStats:
     examples: int
     nonfinite: int
     clipped: int = 0  # finite examples scaled down (some weight < 1): their gradient norm exceeded the bound
+    losses: tuple[float, int] | None = None  # sum and count of the finite per-example losses (for display)
+
+
+def loss_totals(losses: torch.Tensor) -> torch.Tensor:
+    """[sum, count] of the finite entries of ``losses`` in float64, on the device."""
+    return torch.stack([losses.nan_to_num(0.0, 0.0, 0.0), losses.abs() < math.inf]).sum(1, dtype=torch.float64)
+
+
+class Weighing:
+    """The ``weigh`` of one clip call: clip weights from squared norms (``Clipping.weights``), with what the clip
+    stage reports and checks kept on the device (per call: the lowest squared norm, the finite examples and those
+    weighted below 1; once: the finite losses' sum and count) until ``read`` takes it, with the flags a statistic
+    adds, in one host synchronisation."""
+
+    def __init__(self, clipping: Clipping, groups: list[int], losses: torch.Tensor | None = None) -> None:
+        self.clipping, self.groups = clipping, groups
+        self._calls: list[torch.Tensor] = []  # [lowest, finite, below 1] of each call, not read yet
+        self._losses = None if losses is None else loss_totals(losses)  # [sum, count], not read yet
+        self.lowest, self.finite, self.below = 0.0, 0, 0
+        self.losses: tuple[float, int] | None = None
+
+    def __call__(self, sq_norms: torch.Tensor) -> torch.Tensor:
+        w, finite = self.clipping.weights(sq_norms, self.groups, check=False)
+        smallest = w[:, 0] if w.stride(1) == 0 else w.amin(1)  # one weight per example (flat) or per part
+        self._calls.append(torch.stack([_lowest(sq_norms), finite.sum(), (smallest < 1).sum()]))
+        return w
+
+    def restart(self) -> None:
+        """Forget the calls so far, read or not (their squared norms are being recomputed)."""
+        self._calls = []
+        self.lowest, self.finite, self.below = 0.0, 0, 0
+
+    def read(self, flags: Sequence[torch.Tensor] = ()) -> list[float]:
+        """What is not read yet and ``flags`` (1-d tensors, concatenated) in one host synchronisation (none if there
+        is nothing to read); returns the flags' values."""
+        parts = [*self._calls, *([] if self._losses is None else [self._losses]), *flags]
+        if not parts:
+            return []
+        values = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
+        calls = values[:3 * len(self._calls)]
+        self.lowest = min([self.lowest, *calls[0::3]])
+        self.finite += int(sum(calls[1::3]))
+        self.below += int(sum(calls[2::3]))
+        rest = values[len(calls):]
+        if self._losses is not None:
+            (total, count), rest = rest[:2], rest[2:]
+            self.losses = (total, int(count))
+        self._calls, self._losses = [], None
+        return rest
 
 
 class PerExampleStatistic(Protocol):
@@ -114,32 +163,26 @@ class PerExampleStatistic(Protocol):
     def weighted_sum(self, weights: torch.Tensor, release: bool = False) -> list[torch.Tensor]: ...
     # sum_i w_i g_i per tensor; release: the statistic may free its storage as it goes (used once)
 
-    def clipped_sum(self, weigh: Callable[[torch.Tensor], torch.Tensor], release: bool = False,
+    def clipped_sum(self, weigh: Weighing | Callable[[torch.Tensor], torch.Tensor], release: bool = False,
                     into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """sum_i w_i g_i with w = ``weigh``(squared norms of a set of rows) [n, P], called once for every
         example, added to the running sums ``into`` if given. This default weighs the whole batch at once; a
         statistic that forms per-example vectors a chunk of examples at a time may weigh each chunk as it is
-        formed, to sum the same vectors."""
+        formed, to sum the same vectors, and one whose norms carry flags (``Weighing.read``) may read them before
+        it sums."""
         sums = self.weighted_sum(weigh(self.sq_norms()), release)
         return sums if into is None else [a.add_(b) for a, b in zip(into, sums)]
 
 
 def clip_and_sum(grads: PerExampleStatistic, clipping: Clipping, release: bool = False,
                  into: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], ClipStats]:
-    """The clipped sum sum_i clip(g_i) per parameter (``clipped_sum``, weights from ``Clipping.weights``);
-    ``release`` lets the statistic free its per-example storage while summing (the private step's use).
-    ``weigh`` may be called once per chunk of examples: its counts and smallest squared norm stay on the device
-    and are read once, at the end, where a negative squared norm is refused before the sums are returned."""
-    totals: list[torch.Tensor] = []  # [smallest squared norm, non-finite, clipped] of each call, in float64
-
-    def weigh(sq_norms: torch.Tensor) -> torch.Tensor:
-        w, finite = clipping.weights(sq_norms, grads.groups, check=False)
-        smallest = w[:, 0] if w.stride(1) == 0 else w.amin(1)  # one weight per example (flat) or per part
-        totals.append(torch.stack([_lowest(sq_norms).double(), (~finite).sum().double(),
-                                   ((smallest < 1) & finite).sum().double()]))
-        return w
-
+    """The clipped sum sum_i clip(g_i) per parameter (``clipped_sum``, weights from ``Weighing``); ``release``
+    lets the statistic free its per-example storage while summing (the private step's use). What the weighing kept
+    on the device (and the statistic's per-example losses) is read once, by the statistic before it sums or here
+    after; a negative squared norm is refused before the sums are returned."""
+    weigh = Weighing(clipping, grads.groups, getattr(grads, "losses", None))
     sums = grads.clipped_sum(weigh, release, into)
-    lowest, nonfinite, clipped = torch.stack(totals).T.tolist() if totals else ([], [0], [0])  # one synchronisation
-    _refuse_negative(min(lowest, default=None))
-    return sums, ClipStats(grads.batch_size, int(sum(nonfinite)), int(sum(clipped)))
+    weigh.read()  # a host synchronisation unless the statistic read everything already
+    _refuse_negative(weigh.lowest)
+    nonfinite = grads.batch_size - weigh.finite
+    return sums, ClipStats(grads.batch_size, nonfinite, weigh.below - nonfinite, weigh.losses)

@@ -19,6 +19,10 @@ every aten operation and classifies it:
   that reach no aten operation on a CPU run: ``tolist``, ``cpu`` and ``numpy``, counted as if every tensor lived
   on the device. A ``.to("cpu")`` copy is not seen: on a CPU run it is the no-op ``.to(device)``.
 
+``tracing`` records the launching operations and host syncs in order, with the shapes of what each returns: two
+steps with equal traces run the same kernels on tensors of the same shapes, so one CUDA graph could replay both
+(capture-readiness; ``tests/test_launch_counts.py``).
+
 ``accelerator_settings`` makes the step take the decisions it would take on a GPU: the chunk budget
 ``ACCELERATOR_CHUNK_ELEMENTS`` (``chunk_elements`` of the CPU) and ``foreach`` optimizers (PyTorch's default for
 parameters on CUDA: the CPU joins the device types that get it); with one torch thread, so that the noise (drawn by
@@ -35,6 +39,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.optim import optimizer as torch_optimizer
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from dpopt.grad import captures
 
@@ -97,37 +102,38 @@ def is_sync(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
     return dynamic and kwargs.get("output_size") is None  # repeat_interleave given its output size: no wait
 
 
-class _Counting(TorchDispatchMode):
-    def __init__(self, count: StepCount) -> None:
+Seen = Callable[[torch._ops.OpOverload, tuple, dict, Any], None]
+
+
+class _Watching(TorchDispatchMode):
+    """Runs every aten operation, then tells ``seen`` (the operation, its arguments, its result)."""
+
+    def __init__(self, seen: Seen) -> None:
         super().__init__()
-        self.count = count
+        self.seen = seen
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        self.count.ops[name] += 1
-        if is_launching(func):
-            self.count.launching[name] += 1
-        if is_sync(func, args, kwargs):
-            self.count.syncs[name] += 1
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        self.seen(func, args, kwargs, out)
+        return out
 
 
 @contextlib.contextmanager
-def _counting_host_methods(into: Counter[str]) -> Iterator[None]:
-    """``HOST_METHODS`` counted, by name, into ``into`` while in the context; torch restored after."""
+def _watching_host_methods(seen: Callable[[str], None]) -> Iterator[None]:
+    """``HOST_METHODS`` reported by name to ``seen`` while in the context; torch restored after."""
     saved = {name: getattr(torch.Tensor, name) for name in HOST_METHODS}
 
-    def counted(name: str, original: Callable) -> Callable:
+    def watched(name: str, original: Callable) -> Callable:
         def method(*args, **kwargs):
-            into[name] += 1
+            seen(name)
             return original(*args, **kwargs)
 
         return method
 
     try:
         for name, original in saved.items():
-            setattr(torch.Tensor, name, counted(name, original))
+            setattr(torch.Tensor, name, watched(name, original))
         yield
     finally:
         for name, original in saved.items():
@@ -138,8 +144,45 @@ def _counting_host_methods(into: Counter[str]) -> Iterator[None]:
 def counting() -> Iterator[StepCount]:
     """Counts the operations and host syncs run in the context (on this thread) into the ``StepCount`` it yields."""
     count = StepCount()
-    with _counting_host_methods(count.syncs), _Counting(count):
+
+    def seen(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -> None:
+        name = func.overloadpacket.__name__
+        count.ops[name] += 1
+        if is_launching(func):
+            count.launching[name] += 1
+        if is_sync(func, args, kwargs):
+            count.syncs[name] += 1
+
+    def host(name: str) -> None:
+        count.syncs[name] += 1
+
+    with _watching_host_methods(host), _Watching(seen):
         yield count
+
+
+@dataclass(frozen=True)
+class Op:
+    """One entry of a trace: an operation's name, the shapes of the tensors it returns, whether the host waits."""
+
+    name: str
+    shapes: tuple[tuple[int, ...], ...]
+    sync: bool
+
+
+@contextlib.contextmanager
+def tracing() -> Iterator[list[Op]]:
+    """The launching operations and host syncs run in the context (on this thread), in order, into the list it
+    yields."""
+    trace: list[Op] = []
+
+    def seen(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -> None:
+        sync = is_sync(func, args, kwargs)
+        if sync or is_launching(func):
+            shapes = tuple(tuple(t.shape) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+            trace.append(Op(func.overloadpacket.__name__, shapes, sync))
+
+    with _watching_host_methods(lambda name: trace.append(Op(name, (), True))), _Watching(seen):
+        yield trace
 
 
 @contextlib.contextmanager

@@ -106,15 +106,45 @@ def test_dense_sums_are_each_captures_weighted_sum_in_one_product_per_size():
     caps += [Dense(torch.randn(7, 2, 3, dtype=torch.float64), (2, 3)), Dense(torch.randn(7, 4, dtype=torch.float64),
                                                                               (4,))]
     weights = torch.rand(7, len(caps), dtype=torch.float64)
-    caps[0].g[2] = float("nan")  # dropped below: contributes nothing
-    rows = torch.tensor([0, 1, 3, 4, 5, 6])
-    with Ops() as counter:
-        sums = dense_sums(caps, [weights[:, k] for k in range(len(caps))], rows)
-    assert counter.counts["bmm"] == 3  # sizes 5, 6 and 4
+    caps[0].g[2] = float("nan")  # weight 0 below: contributes nothing
+    weights[2] = 0.0
+    keep = torch.tensor([0, 1, 3, 4, 5, 6])
+    with Ops() as counter, counting_syncs() as syncs:
+        sums = dense_sums(caps, [weights[:, k] for k in range(len(caps))])
+    assert counter.counts["bmm"] == 3 and not syncs  # sizes 5, 6 and 4
     for c, w, got in zip(caps, weights.T, sums):
-        want = c.subset(rows).weighted_sum(w[rows])
+        want = torch.einsum("b,b...->...", w[keep], c.g[keep])
         assert got.shape == c.shape and torch.allclose(got, want, rtol=1e-12, atol=0)
     assert torch.allclose(dense_sums(caps[1:2], [weights[:, 1]])[0], caps[1].weighted_sum(weights[:, 1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_linear_sums_are_each_captures_weighted_sum_in_one_product_per_run(dtype):
+    """Linear-shaped captures of equal factor shapes summed in one batched product per run (``outer_runs``: runs in
+    the order of their first capture, cut by the budget), each sum the capture's own; an example of weight 0 with
+    non-finite factors contributes nothing, without a host synchronisation."""
+    torch.manual_seed(0)
+    factors = [(torch.randn(6, 3, 5, dtype=dtype), torch.randn(6, 3, 4, dtype=dtype)) for _ in range(3)]
+    factors.insert(1, (torch.randn(6, 3, 4, dtype=dtype), torch.randn(6, 3, 5, dtype=dtype)))  # another shape between
+    factors.append((torch.randn(6, 3, 4, dtype=dtype), torch.randn(6, 3, 5, dtype=dtype)))
+    factors[0][0][4, 1, 2] = float("nan")
+    factors[3][1][4, 0, 0] = float("inf")
+    caps = [Outer(left, right, left.shape[-1], (left.shape[-1], right.shape[-1])) for left, right in factors]
+    weights = [torch.rand(6, dtype=torch.float64).index_fill_(0, torch.tensor([4]), 0.0) for _ in caps]
+    assert captures.outer_runs(caps) == [[0, 2, 3], [1, 4]]
+    keep = torch.tensor([0, 1, 2, 3, 5])
+    with Ops() as counter, counting_syncs() as syncs:
+        sums = [s for run in captures.outer_runs(caps)
+                for s in captures.outer_sums([caps[k] for k in run], [weights[k] for k in run])]
+    assert counter.counts["bmm"] == 2 and not syncs
+    for c, w, got in zip([caps[k] for k in (0, 2, 3, 1, 4)], [weights[k] for k in (0, 2, 3, 1, 4)], sums):
+        want = torch.einsum("b,bti,btj->ij", w[keep], c.left[keep].double(), c.right[keep].double())
+        tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+        assert got.shape == c.shape and torch.allclose(got.double(), want, rtol=tolerance, atol=tolerance)
+    budget = 6 * 3 * 9 + 20  # one capture's factors and sum: runs of one
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(captures, "chunk_elements", lambda device: budget)
+        assert captures.outer_runs(caps) == [[0], [1], [2], [3], [4]]
 
 
 def test_one_hot_captures_merge_with_static_shapes_and_no_host_synchronisation():

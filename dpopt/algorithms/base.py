@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from dpopt.clipping import Clipping, ClipStats, PerExampleStatistic, clip_and_sum
+from dpopt.clipping import Clipping, ClipStats, PerExampleStatistic, clip_and_sum, loss_totals
 from dpopt.data.samplers import PoissonSampler, Sampler, distinct_examples, take
 from dpopt.device import to_device
 from dpopt.flat import flat_view, zeros
@@ -181,11 +181,11 @@ class DPOptimizer:
         each physical batch is moved to the model's device."""
         if not self.verified:
             self.verify(data)
-        sums, (examples, nonfinite, clipped), loss = self.clipped_sums(data, self.privatizer.batch(self.steps))
+        sums, stats = self._clipped_sums(data, self.privatizer.batch(self.steps))
         self.finish(sums)
-        loss_sum, loss_count = (0.0, 0) if loss is None else loss.tolist()  # the step's one read of the loss
+        loss_sum, loss_count = stats.losses or (0.0, 0)
         examples, nonfinite, clipped, loss_sum, loss_count = self.privatizer.total(
-            [examples, nonfinite, clipped, loss_sum, loss_count])
+            [stats.examples, stats.nonfinite, stats.clipped, loss_sum, loss_count])
         return StepResult(loss_sum / loss_count if loss_count else None, int(examples), int(nonfinite),
                           int(clipped))
 
@@ -193,19 +193,27 @@ class DPOptimizer:
                                                                     torch.Tensor | None]:
         """Stages 2-3 of a logical batch (the examples of ``data`` at ``index``), in physical batches: the clipped
         sums (None if ``index`` is empty), the (examples, non-finite, clipped) counts and the finite losses as
-        [sum, count] (float64, on the device: read once per step, not once per physical batch; None without
-        losses)."""
-        sums, examples, nonfinite, clipped, loss = None, 0, 0, 0, None
+        [sum, count] (float64, on the CPU: read with the clip stage's counts; None without losses)."""
+        sums, stats = self._clipped_sums(data, index)
+        loss = None if stats.losses is None else torch.tensor(stats.losses, dtype=torch.float64)
+        return sums, (stats.examples, stats.nonfinite, stats.clipped), loss
+
+    def _clipped_sums(self, data: Any, index: torch.Tensor) -> tuple[list[torch.Tensor] | None, ClipStats]:
+        """``clipped_sums``, its counts and losses added over the physical batches: one host synchronisation per
+        physical batch, the clip stage's (which reads the losses too)."""
+        sums, total = None, ClipStats(0, 0)
         for part in index.split(self.physical_batch_size or index.numel()) if index.numel() else ():
             grads = self.statistic(to_device(take(data, part), self.device))
-            if grads.losses is not None:
-                finite = torch.isfinite(grads.losses)
-                total = torch.stack([torch.where(finite, grads.losses.double(), 0.0).sum(), finite.sum().double()])
-                loss = total if loss is None else loss.add_(total)
             sums, stats = self.privatizer.clip(grads, into=sums)
-            examples, nonfinite, clipped = (examples + stats.examples, nonfinite + stats.nonfinite,
-                                            clipped + stats.clipped)
-        return sums, (examples, nonfinite, clipped), loss
+            losses = stats.losses
+            if losses is None and grads.losses is not None:  # a clip stage that does not read them (no clipping)
+                loss_sum, loss_count = loss_totals(grads.losses).tolist()
+                losses = (loss_sum, int(loss_count))
+            if losses is not None and total.losses is not None:
+                losses = (total.losses[0] + losses[0], total.losses[1] + losses[1])
+            total = ClipStats(total.examples + stats.examples, total.nonfinite + stats.nonfinite,
+                              total.clipped + stats.clipped, losses or total.losses)
+        return sums, total
 
     def finish(self, sums: list[torch.Tensor] | None) -> None:
         """The end of a logical step: release its clipped sums (``None``: an empty batch, noise alone) once,

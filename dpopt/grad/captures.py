@@ -19,8 +19,12 @@ rest. Low-precision captures are normed, summed and materialised in float32.
 
 On an accelerator each operation is a kernel launch, and a private step is bound by their count: captures of one
 kind are normed together (``sq_norms_of``: the Gram matrices of all Linear-like captures of equal steps in one
-buffer, dense ones stacked by size) and dense ones summed together (``dense_sums``), with no copy for a single
-chunk, and one-hot captures are merged with static shapes and no host synchronisation (``coalesce``).
+buffer, dense ones stacked by size) and summed together (``dense_sums``; ``outer_sums`` for Linear layers of equal
+shapes), with no copy for a single chunk, and one-hot captures are merged with static shapes and no host
+synchronisation (``coalesce``). Nothing depends on the data's values but the rare exact recomputation of cancelled
+ghost norms: a weighted sum zeroes the non-finite entries of its rows (those of weight 0) instead of leaving the rows
+out, and which ghost norms cancelled may be left pending (``sq_norms_of``) for the clip stage to read with its own
+counts (``resolve``).
 """
 
 from __future__ import annotations
@@ -140,31 +144,34 @@ class Dense(Capture):
         return self.g[s]
 
     def weighted_sum(self, w: torch.Tensor) -> torch.Tensor:
-        return torch.tensordot(_f32(w), _f32(self.g), dims=1)
+        """sum_i w_i g[i]; a row of weight 0 contributes exactly zero (non-finite entries are zeroed: the rows of
+        finite norm have none)."""
+        return torch.tensordot(_f32(w), _zeroed(_f32(self.g)), dims=1)
 
     def held_elements(self) -> int:
         return self.g.numel()
 
-    def subset(self, rows: torch.Tensor) -> "Dense":
-        return Dense(self.g[rows], self.shape)
 
 
-def dense_sums(captures: list[Dense], weights: list[torch.Tensor],
-               rows: torch.Tensor | None = None) -> list[torch.Tensor]:
+def _zeroed(t: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """``t`` with its non-finite entries 0, before a weighted sum: only an example of non-finite norm has any, and
+    its weight is 0, so it then contributes exactly zero (0 * NaN would be NaN) without a host synchronisation to
+    find and drop its rows."""
+    return t.nan_to_num_(0.0, 0.0, 0.0) if inplace else t.nan_to_num(0.0, 0.0, 0.0)
+
+
+def dense_sums(captures: list[Dense], weights: list[torch.Tensor]) -> list[torch.Tensor]:
     """``captures[k].weighted_sum(weights[k])`` for every k (book-keeping sums of biases, norm layers' weights):
-    sum_i w_k[i] g_k[i] over the examples ``rows`` (indices; all if None), float32 at least, as one batched product
-    [K, 1, B] @ [K, B, numel] per run of captures of equal size. Each sum is in its capture's shape, in memory of
-    its own (no capture's)."""
+    sum_i w_k[i] g_k[i], float32 at least, as one batched product [K, 1, B] @ [K, B, numel] per run of captures of
+    equal size. Each sum is in its capture's shape, in memory of its own (no capture's)."""
     out: list[torch.Tensor | None] = [None] * len(captures)
     groups: dict[Hashable, list[int]] = {}
     for k, c in enumerate(captures):
         groups.setdefault((math.prod(c.shape), _wide(c.g.dtype), c.g.device, c.batch_size), []).append(k)
     for (numel, _, device, batch), items in groups.items():
         for run in _runs(items, batch * numel, device):
-            g = _flat_stacked([captures[k].g for k in run])
+            g = _zeroed(_flat_stacked([captures[k].g for k in run]))
             w = _stacked([weights[k] for k in run], g.dtype)
-            if rows is not None:
-                g, w = g[:, rows], w[:, rows]
             for k, total in zip(run, torch.bmm(w.unsqueeze(1), g).squeeze(1)):
                 out[k] = total.view(captures[k].shape)
     return out
@@ -239,18 +246,19 @@ class Outer(Capture):
         return out.view(b, *self.shape)
 
     def weighted_sum(self, w: torch.Tensor) -> torch.Tensor:
+        """sum_i w_i G_i by book-keeping; a row of weight 0 contributes exactly zero (``_zeroed``)."""
         self.check_unchanged()
         b, t, n = self.right.shape
         w = _f32(w).view(b, 1, 1)  # a low-precision factor times w is float32 (type promotion): no separate cast
         if self.indexed:
-            scaled = (self.right * w).reshape(b * t, n)
+            scaled = _zeroed(self.right * w, inplace=True).reshape(b * t, n)
             out = scaled.new_zeros(self.rows, n).index_add_(0, self.left.reshape(-1), scaled)
         elif self.left.shape[-1] <= n:  # rescale the smaller factor
-            left = (self.left * w).reshape(b * t, self.rows)
-            out = left.T @ _f32(self.right).reshape(b * t, n)
+            left = _zeroed(self.left * w, inplace=True).reshape(b * t, self.rows)
+            out = left.T @ _zeroed(_f32(self.right)).reshape(b * t, n)
         else:
-            right = (self.right * w).reshape(b * t, n)
-            out = _f32(self.left).reshape(b * t, self.rows).T @ right
+            right = _zeroed(self.right * w, inplace=True).reshape(b * t, n)
+            out = _zeroed(_f32(self.left)).reshape(b * t, self.rows).T @ right
         return out.view(self.shape)
 
     def held_elements(self) -> int:
@@ -403,9 +411,9 @@ class ConvOuter(Outer):
 
     def weighted_sum(self, w: torch.Tensor) -> torch.Tensor:
         self.check_unchanged()
-        g = self.g * _f32(w).view(-1, 1, 1, 1)
+        g = _zeroed(self.g * _f32(w).view(-1, 1, 1, 1), inplace=True)
         shape = (self.rows, self.x.shape[1] // self.groups, *self.kernel)
-        return torch.nn.grad.conv2d_weight(_f32(self.x), shape, g, stride=self.stride, padding=self.padding,
+        return torch.nn.grad.conv2d_weight(_zeroed(_f32(self.x)), shape, g, stride=self.stride, padding=self.padding,
                                            dilation=self.dilation, groups=self.groups).view(self.shape)
 
     def held_elements(self) -> int:
@@ -441,10 +449,11 @@ def _self_grams(c: Outer, s: slice, out: torch.Tensor) -> None:
         torch.bmm(left, left.transpose(1, 2), out=out[0])
 
 
-def _ghost_sq_norms(run: list[Outer]) -> tuple[torch.Tensor, torch.Tensor]:
+def _ghost_sq_norms(run: list[Outer]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Squared norms [K, B] of K captures of T steps each by the ghost identity
     ||sum_t l_t (x) r_t||^2 = <L L^T, R R^T> = sum_ts (L L^T)_ts (R R^T)_ts, and the mask [K, B] of the examples
-    to recompute from their materialised gradients (``sq_norms_of``). The float32 sum carries a rounding error of
+    to recompute from their materialised gradients (``sq_norms_of``); None for one step, whose norm is the product
+    of two sums of squares, D itself: nothing to cancel. The float32 sum carries a rounding error of
     about u * D, D = sum_t ||l_t||^2 ||r_t||^2 (the steps' own squared norms: the Gram matrices' diagonals
     multiplied; u = 2^-24), small beside the norm unless the steps cancel: the examples whose ghost norm is under
     D / ``CANCELLING`` (or negative) are masked, so the error stays about ``CANCELLING`` * u relative. The Gram
@@ -458,9 +467,10 @@ def _ghost_sq_norms(run: list[Outer]) -> tuple[torch.Tensor, torch.Tensor]:
         for k, c in enumerate(run):
             _self_grams(c, s, grams[:, k])
         sq.append(torch.linalg.vecdot(grams[0].flatten(2), grams[1].flatten(2)))
-        own.append(torch.linalg.vecdot(grams[0].diagonal(dim1=2, dim2=3), grams[1].diagonal(dim1=2, dim2=3)))
+        if t > 1:
+            own.append(torch.linalg.vecdot(grams[0].diagonal(dim1=2, dim2=3), grams[1].diagonal(dim1=2, dim2=3)))
     norms = _cat(sq, 1)
-    return norms, norms * CANCELLING < _cat(own, 1)
+    return norms, norms * CANCELLING < _cat(own, 1) if own else None
 
 
 def _gram_dot(la: torch.Tensor, ra: torch.Tensor, lb: torch.Tensor,
@@ -562,14 +572,21 @@ def _dense_sq_norms(gs: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vecdot(g, g)
 
 
-def sq_norms_of(captures: list[Capture]) -> list[torch.Tensor]:
+Pending = list[tuple["Outer | Combination", torch.Tensor, torch.Tensor]]
+# ghost norms that may have cancelled: (capture, its squared norms [B], the mask [B] of the examples to recompute)
+
+
+def sq_norms_of(captures: list[Capture], pending: Pending | None = None) -> list[torch.Tensor]:
     """``sq_norms`` of each capture, batched: the ghost-normed ``Outer`` captures of equal steps together
     (``_ghost_sq_norms``), the dense ones of equal size together (``_dense_sq_norms``), each in runs whose
-    temporaries fit in ``chunk_elements``; with one host synchronisation in all (not one per capture): which
-    examples' ghost norms cancelled is read for every capture at once, and those examples are recomputed from their
-    materialised gradients (rare for one capture; common for a ``Combination`` whose coefficients cancel)."""
+    temporaries fit in ``chunk_elements``. The ghost norms whose steps could cancel come with the mask of the
+    examples to recompute from their materialised gradients (rare for one capture; common for a ``Combination``
+    whose coefficients cancel): appended to ``pending`` if given (the caller ``resolve``s them after reading
+    ``cancelled(pending)`` with whatever else it reads), else resolved here, with one host synchronisation for all
+    of them (none if no capture has steps to cancel)."""
     out: list[torch.Tensor | None] = [None] * len(captures)
-    pending: list[tuple[Outer | Combination, torch.Tensor, torch.Tensor]] = []
+    own = pending is None
+    pending = [] if pending is None else pending
     ghost: dict[Hashable, list[int]] = {}
     dense: dict[Hashable, list[int]] = {}
     grads: dict[int, torch.Tensor] = {}
@@ -593,18 +610,65 @@ def sq_norms_of(captures: list[Capture]) -> list[torch.Tensor]:
             sq, cancelled = _ghost_sq_norms([captures[i] for i in run])
             for k, i in enumerate(run):
                 out[i] = sq[k]
-                pending.append((captures[i], sq[k], cancelled[k]))
+                if cancelled is not None:
+                    pending.append((captures[i], sq[k], cancelled[k]))
     for (numel, _, device, batch), items in dense.items():
         for run in _runs(items, batch * numel, device):
             for i, sq in zip(run, _dense_sq_norms([grads[i] for i in run])):
                 out[i] = sq
-    if pending:
-        masks = torch.stack([m for _, _, m in pending]).tolist()  # the one synchronisation
-        for (c, sq, _), mask in zip(pending, masks):
-            if any(mask):  # a scan at C speed: the list of rows is formed for the few captures that cancelled
-                rows = [i for i, cancelled in enumerate(mask) if cancelled]
-                _recompute(c, sq, torch.tensor(rows, device=sq.device))
+    if own:
+        resolve(pending)
     return out
+
+
+def cancelled(pending: Pending) -> torch.Tensor:
+    """[n]: the number of examples to recompute over all of ``pending``, on the device (float64)."""
+    return torch.stack([m for _, _, m in pending]).sum(dtype=torch.float64).reshape(1)
+
+
+def resolve(pending: Pending) -> None:
+    """The examples of ``pending`` whose ghost norms cancelled recomputed in place from their materialised
+    gradients: one host synchronisation (which examples, for every capture at once) unless ``pending`` is empty."""
+    if not pending:
+        return
+    masks = torch.stack([m for _, _, m in pending]).tolist()
+    for (c, sq, _), mask in zip(pending, masks):
+        if any(mask):  # a scan at C speed: the list of rows is formed for the few captures that cancelled
+            rows = [i for i, cancelled in enumerate(mask) if cancelled]
+            _recompute(c, sq, torch.tensor(rows, device=sq.device))
+
+
+def outer_runs(captures: list[Outer]) -> list[list[int]]:
+    """The positions of ``captures`` (dense-factored ``Outer``: Linear layers) in runs of captures with factors of
+    equal shapes, dtypes and device whose stacked factors and sums fit in ``chunk_elements`` together (one capture a
+    run where one alone does not), each run in the order of its first capture, for ``outer_sums``."""
+    groups: dict[Hashable, list[int]] = {}
+    for k, c in enumerate(captures):
+        groups.setdefault((c.left.shape, c.left.dtype, c.right.shape, c.right.dtype, c.device), []).append(k)
+    runs = []
+    for (left, _, right, _, device), items in groups.items():
+        (b, t, rows), cols = left, right[-1]
+        runs += _runs(items, b * t * (rows + cols) + rows * cols, device)
+    return sorted(runs)
+
+
+def outer_sums(run: list[Outer], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``run[k].weighted_sum(weights[k])`` for every k, for a run of ``outer_runs``: its factors stacked (float32
+    at least), the smaller one rescaled, non-finite entries zeroed, and one batched product [K, rows, B*T] @
+    [K, B*T, cols] for all of them."""
+    if len(run) == 1:
+        return [run[0].weighted_sum(weights[0])]
+    for c in run:
+        c.check_unchanged()
+    first = run[0]
+    b, t, rows = first.left.shape
+    dtype = _wide(torch.promote_types(first.left.dtype, first.right.dtype))
+    left = _stacked([c.left for c in run], dtype)
+    right = _stacked([c.right for c in run], dtype)
+    (left if rows <= first.cols else right).mul_(_stacked(weights, dtype).view(len(run), b, 1, 1))
+    left, right = _zeroed(left, inplace=True), _zeroed(right, inplace=True)
+    total = torch.bmm(left.view(-1, b * t, rows).transpose(1, 2), right.view(-1, b * t, first.cols))
+    return [s.view(c.shape) for c, s in zip(run, total)]
 
 
 def coalesce(terms: list[tuple[float, Outer]]) -> Outer:

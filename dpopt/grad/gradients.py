@@ -1,5 +1,11 @@
 """The per-example statistic: ``PerExampleGradients``, a lazy linear combination of captured per-example
-gradients, with what the clip stage asks of it (per-example squared norms, weighted and clipped sums)."""
+gradients, with what the clip stage asks of it (per-example squared norms, weighted and clipped sums).
+
+In the clip stage (``clipped_sum``) nothing waits for the device but one read: the flags its norms raise (ghost
+norms that may have cancelled, combined parameters whose terms cancel) are read with the clip stage's own counts
+(``Weighing.read``), and only where the statistic has such flags; the rare example whose ghost norm cancelled is
+then recomputed exactly, at the cost of two more reads (which examples; their new weighing). Rows of weight 0
+(non-finite norms) are summed as zeros."""
 
 from __future__ import annotations
 
@@ -7,9 +13,10 @@ from typing import TYPE_CHECKING, Callable, Collection, Iterable
 
 import torch
 
-from dpopt.clipping import PerExampleStatistic
-from dpopt.grad.captures import (Capture, Combination, Dense, Outer, by_materializing, chunk_elements, chunks,
-                                 coalesce, dense_sums, difference, inner_dense, sq_norms_of)
+from dpopt.clipping import PerExampleStatistic, Weighing
+from dpopt.grad.captures import (Capture, Combination, Dense, Outer, Pending, _cat, _zeroed, by_materializing,
+                                 cancelled, chunk_elements, chunks, coalesce, dense_sums, difference, inner_dense,
+                                 outer_runs, outer_sums, resolve, sq_norms_of)
 
 if TYPE_CHECKING:
     from dpopt.grad.engine import PerExampleEngine
@@ -25,10 +32,15 @@ DIRECT_ROWS = 16
 
 
 def _weighted_rows(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """sum_i w_i g[i] over the rows of weight != 0 (a non-finite row given weight 0 contributes exactly zero):
-    the other rows are replaced by zeros on the device, so no host synchronisation is needed to find them."""
-    g = torch.where((w != 0).unsqueeze(1), g, g.new_zeros(()))
-    return torch.tensordot(w.to(g.dtype), g, dims=1)
+    """sum_i w_i g[i]: a non-finite row (given weight 0) contributes exactly zero, its entries zeroed on the
+    device (``_zeroed``), so no host synchronisation is needed to find it."""
+    return torch.tensordot(w.to(g.dtype), _zeroed(g), dims=1)
+
+
+def _read(weigh: Weighing | Callable[[torch.Tensor], torch.Tensor], flags: list[torch.Tensor]) -> list[float]:
+    """``flags`` read on the host: with the clip stage's counts (one synchronisation for both) where ``weigh`` is a
+    ``Weighing``."""
+    return weigh.read(flags) if isinstance(weigh, Weighing) else torch.cat(flags).tolist()
 
 
 class PerExampleGradients(PerExampleStatistic):
@@ -40,8 +52,8 @@ class PerExampleGradients(PerExampleStatistic):
         self.shapes = engine.shapes
         self.released = False
         self._settled = False  # one-hot captures merged (``_settle``)
-        # combined parameters whose terms may be summed apart (``sq_norms``): a flag on the device until ``_sums``
-        # reads them all at once
+        # combined parameters whose terms may be summed apart (``_columns``): a flag on the device until it is read
+        # with the others
         self._benign: dict[int, bool | torch.Tensor] = {}
 
     @property
@@ -90,7 +102,7 @@ class PerExampleGradients(PerExampleStatistic):
     # every example: (sum_k |c_k| ||G_k||)^2 <= BENIGN * ||sum_k c_k G_k||^2 (no cancellation beyond a factor 4
     # in norm, as for DiSK's default c = 0.86, 1 - c, or SRG's g_t - 0.08 g_t-1). Then each term is summed by
     # book-keeping, whose float32 rounding is at most about 4u of the released norm, and the second
-    # materialisation is saved.
+    # materialisation is saved. An example of non-finite norm is left out of this test: its weight is 0.
     def _settle(self) -> None:
         if self._settled:
             return
@@ -122,27 +134,41 @@ class PerExampleGradients(PerExampleStatistic):
 
     def sq_norms(self, skip: Collection[int] = ()) -> torch.Tensor:
         """Squared per-example norms per parameter, [B, P] in float32; the columns of the parameters in
-        ``skip`` are left zero."""
+        ``skip`` are left zero. Exact: examples whose ghost norms cancelled are recomputed (one host synchronisation
+        where some capture's steps could cancel)."""
         self._check_alive()
         self._settle()
+        pending: Pending = []
+        norms = self._capture_norms(skip, pending)
+        resolve(pending)
+        return self._columns(*norms)
+
+    def _capture_norms(self, skip: Collection[int],
+                       pending: Pending) -> tuple[dict[int, list[torch.Tensor]], dict[int, torch.Tensor]]:
+        """The squared norms [B] of every term of the parameters not in ``skip``, and of the combined ones, with the
+        ghost norms that may have cancelled appended to ``pending`` (``sq_norms_of``)."""
         wanted = [j for j, ts in enumerate(self.terms) if j not in skip and ts]
         combinations = {j: c for j in wanted if (c := self._combination(j)) is not None}
         captures = [t for j in wanted for _, t in self.terms[j]] + list(combinations.values())
-        norms = iter(sq_norms_of(captures))  # the captures' norms, one host synchronisation for all of them
+        norms = iter(sq_norms_of(captures, pending))
         of = {j: [next(norms) for _ in self.terms[j]] for j in wanted}
         combined = {j: next(norms) for j in combinations}
+        for j in wanted:
+            if self._combined(j) and j not in combined:
+                combined[j] = torch.cat([inner_dense(g, g) for g in (self._flat(j, s) for s in self._chunks(j))])
+        return of, combined
+
+    def _columns(self, of: dict[int, list[torch.Tensor]], combined: dict[int, torch.Tensor]) -> torch.Tensor:
+        """[B, P] from ``_capture_norms``' norms (zero for the parameters it skipped), and whether each combined
+        parameter is benign (a flag set on the device)."""
         cols = []
         for j, (p, ts) in enumerate(zip(self.engine.params, self.terms)):
             if j not in of:
                 cols.append(torch.zeros(self.batch_size, device=p.device, dtype=torch.float32))
             elif self._combined(j):
-                if j in combined:
-                    sq = combined[j]
-                else:
-                    flats = (self._flat(j, s) for s in self._chunks(j))
-                    sq = torch.cat([inner_dense(g, g) for g in flats])
+                sq = combined[j]
                 size = sum(abs(c) * n.sqrt() for (c, _), n in zip(ts, of[j])) ** 2
-                self._benign[j] = (size <= BENIGN * sq).all()  # read in ``_sums``, with the others
+                self._benign[j] = ~(size > BENIGN * sq).any()  # NaN (weight 0) is not above
                 cols.append(sq)
             else:
                 c, _ = ts[0]
@@ -167,22 +193,58 @@ class PerExampleGradients(PerExampleStatistic):
             self.released = True
         return sums
 
-    def clipped_sum(self, weigh: Callable[[torch.Tensor], torch.Tensor], release: bool = False,
+    def clipped_sum(self, weigh: Weighing | Callable[[torch.Tensor], torch.Tensor], release: bool = False,
                     into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """sum_i w_i g_i per parameter with weights w = ``weigh``(squared norms) [n, P], computed for rows of
         examples (the clip stage). The parameters normed from materialised per-example vectors (convolutions,
         combinations) are materialised once, a chunk of examples at a time, when they are small enough to be
         held together for a chunk: the chunk's norms complete its rows, ``weigh`` turns them into its weights,
-        and the same vectors are summed with them at once. Otherwise norms and sums are two chunked passes."""
+        and the same vectors are summed with them at once. Otherwise norms and sums are two chunked passes.
+        Where the norms raise flags, they are read with the clip stage's counts before the other parameters are
+        summed; if a ghost norm cancelled, its examples are recomputed (a second read: which ones), everything is
+        weighed again (read by the clip stage) and the combined parameters are summed from materialised vectors."""
         self._check_alive()
         self._settle()
         direct = [j for j in range(len(self.terms)) if self._materialized(j)]
-        per_example = sum(self.shapes[j].numel() for j in direct)
-        if not direct or per_example > chunk_elements(self.device) // 2:
-            return self.weighted_sum(weigh(self.sq_norms()), release, into)
-        sq = self.sq_norms(skip=direct)
-        sums: dict[int, torch.Tensor | None] = {j: None for j in direct}
+        if sum(self.shapes[j].numel() for j in direct) > chunk_elements(self.device) // 2:
+            direct = []
+        pending: Pending = []
+        norms = self._capture_norms(direct, pending)
+        weights, sums = self._weigh(weigh, self._columns(*norms), direct)
+        flagged = [j for j, f in self._benign.items() if isinstance(f, torch.Tensor)]
+        flags = [torch.stack([self._benign[j] for j in flagged])] if flagged else []
+        if pending:
+            recompute, *benign = _read(weigh, [cancelled(pending), *flags])
+            if recompute:
+                resolve(pending)
+                if isinstance(weigh, Weighing):
+                    weigh.restart()
+                weights, sums = self._weigh(weigh, self._columns(*norms), direct)
+                benign = [False] * len(flagged)  # summed from materialised vectors: exact, and nothing to read
+        else:
+            benign = _read(weigh, flags) if flags else []
+        self._benign.update(zip(flagged, map(bool, benign)))
         unflat = {j: self._unflat(j) for j in direct}
+        if release:
+            for j in direct:
+                self.terms[j] = []
+        out = self._sums(weights, [j for j in range(len(self.terms)) if j not in sums], release, into)
+        for j, total in sums.items():
+            total = unflat[j](total)
+            out[j] = total if into is None else into[j].add_(total)
+        if release:
+            self.released = True
+        return out
+
+    def _weigh(self, weigh: Callable[[torch.Tensor], torch.Tensor], sq: torch.Tensor,
+               direct: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The weights [B, P] from ``sq`` (its ``direct`` columns still zero), and the sums [numel] of the ``direct``
+        parameters: their per-example vectors materialised a chunk of examples at a time, normed into ``sq`` and
+        summed with the chunk's weights at once."""
+        if not direct:
+            return weigh(sq), {}
+        per_example = sum(self.shapes[j].numel() for j in direct)
+        sums: dict[int, torch.Tensor] = {}
         weights = []
         for s in chunks(self.batch_size, 2 * per_example, self.device, DIRECT_ROWS):
             grads = {j: self._flat(j, s) for j in direct}
@@ -192,17 +254,8 @@ class PerExampleGradients(PerExampleStatistic):
             weights.append(w)
             for j, g in grads.items():
                 part = _weighted_rows(w[:, j], g)
-                sums[j] = part if sums[j] is None else sums[j].add_(part)
-        if release:
-            for j in direct:
-                self.terms[j] = []
-        out = self._sums(torch.cat(weights), [j for j in range(len(self.terms)) if j not in sums], release, into)
-        for j, total in sums.items():
-            total = unflat[j](total)
-            out[j] = total if into is None else into[j].add_(total)
-        if release:
-            self.released = True
-        return out
+                sums[j] = sums[j].add_(part) if j in sums else part
+        return _cat(weights), sums
 
     def _chunks(self, j: int) -> list[slice]:
         return chunks(self.batch_size, 2 * self.shapes[j].numel(), self.device)
@@ -233,35 +286,44 @@ class PerExampleGradients(PerExampleStatistic):
     def _sums(self, weights: torch.Tensor, params: Iterable[int], release: bool,
               into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """``weighted_sum`` for the parameters in ``params`` (last to first), added to ``into`` if given; the
-        others' entries are empty."""
+        others' entries are empty. Every row is summed (one of weight 0 as zeros): no host synchronisation, but to
+        read the flags of combined parameters that nothing has read yet (``weighted_sum`` after ``sq_norms``)."""
         params = sorted(params, reverse=True)
-        keep = (weights != 0).any(1)
-        # one host synchronisation for the whole sum: whether rows are dropped, and which combined parameters
-        # are benign (their flags, set by ``sq_norms``, are read here all at once)
         flagged = [j for j in params if isinstance(self._benign.get(j), torch.Tensor)]
-        everyone, *benign = torch.stack([keep.all(), *(self._benign[j] for j in flagged)]).tolist()
-        self._benign.update(zip(flagged, benign))
-        rows = None if everyone else keep.nonzero().squeeze(1)
+        if flagged:
+            self._benign.update(zip(flagged, map(bool, torch.stack([self._benign[j] for j in flagged]).tolist())))
         sums: list[torch.Tensor] = [torch.empty(0)] * len(self.terms)
         # the parameters held as one dense capture (biases, norm layers' weights): summed together, a few products
         dense = [j for j in params if len(self.terms[j]) == 1 and isinstance(self.terms[j][0][1], Dense)]
-        summed = dict(zip(dense, dense_sums([self.terms[j][0][1] for j in dense], [weights[:, j] for j in dense],
-                                            rows)))
+        summed = dict(zip(dense, dense_sums([self.terms[j][0][1] for j in dense], [weights[:, j] for j in dense])))
+        # the Linear layers' terms summed by book-keeping: those of equal shapes together (``outer_sums``), each run
+        # when its first parameter is reached, so that sums appear about as captures are dropped (a run's sums, at
+        # most ``chunk_elements`` for its factors and sums together, ahead)
+        materialized = {j for j in params if self._combined(j) and not self._benign.get(j, False)}
+        book = [(j, i) for j in params if j not in materialized
+                for i, (_, t) in enumerate(self.terms[j]) if type(t) is Outer and not t.indexed]
+        runs = {book[run[0]]: [book[k] for k in run]
+                for run in outer_runs([self.terms[j][i][1] for j, i in book])}
+        ready: dict[tuple[int, int], torch.Tensor] = {}
         for j in params:
             p, shape, ts = self.engine.params[j], self.shapes[j], self.terms[j]
             dtype = self._sum_dtype(j)
-            w = weights[:, j] if rows is None else weights[rows, j]
             acc = None
-            if self._combined(j) and not self._benign.get(j, False):
+            if j in materialized:
                 unflat = self._unflat(j)
                 for s in self._chunks(j):
                     part = _weighted_rows(weights[s, j], self._flat(j, s))
                     acc = part if acc is None else acc.add_(part)
                 acc = unflat(acc)
             else:
-                for c, t in ts if rows is None or rows.numel() else []:
-                    part = summed[j] if j in summed else (t if rows is None else t.subset(rows)).weighted_sum(w)
-                    part = part.to(dtype)  # a fresh tensor
+                for i, (c, t) in enumerate(ts):
+                    if (j, i) in runs:
+                        run = runs[(j, i)]
+                        ready.update(zip(run, outer_sums([self.terms[a][b][1] for a, b in run],
+                                                         [weights[:, a] for a, _ in run])))
+                    part = summed[j] if j in summed else ready.pop((j, i)) if (j, i) in ready else \
+                        t.weighted_sum(weights[:, j])
+                    part = part.to(dtype)
                     if c != 1.0:
                         part.mul_(c)
                     acc = part if acc is None else acc.add_(part)
