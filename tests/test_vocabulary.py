@@ -4,6 +4,8 @@ applies, old names get a one-line error naming the new one, and how the target i
 multiplier) never changes the mechanism."""
 
 import importlib.metadata
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -109,3 +111,10 @@ def test_how_the_target_is_given_never_changes_the_mechanism():
         assert isinstance(p.sampler, CyclicPoissonSampler) and p.sampler.participation.period > 1
         assert isinstance(p.noise, CorrelatedNoise) and p.noise.horizon == 20
     assert privatizers[1].noise.noise_multiplier == 1.0
+
+
+def test_no_library_module_loads_the_clis_training_loop():
+    """The audit and federated runs take the plan, the task and the export from the library, not from dpopt.run."""
+    probe = ("import sys, dpopt, dpopt.audit, dpopt.federated.simulator, dpopt.federated.cli; "
+             "print(sorted(m for m in sys.modules if m.startswith('dpopt.run')))")
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout == "[]\n"

@@ -23,7 +23,7 @@ from dpopt.federated.rules import ALGORITHMS, CLIP_MODES
 from dpopt.federated.simulator import ClientFailure, run_inprocess, save_outputs
 from dpopt.models import MODELS
 from dpopt.names import add_renamed_flags
-from dpopt.run import MODEL_DIR
+from dpopt.export import MODEL_DIR
 
 RUNTIMES = ("simulation", "deployment")
 RUN_FILES = ("metrics.json", MODEL_DIR)  # what a run writes in --out

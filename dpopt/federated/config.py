@@ -26,7 +26,7 @@ from dpopt.federated.rules import ALGORITHMS, CLIP_MODES, MessageClipping, Metho
 from dpopt.models import MODELS, build_model
 from dpopt.noise.rng import derive_seed, public_generator, secret_key
 from dpopt.privacy import check_budget
-from dpopt.run import accuracy
+from dpopt.task import accuracy
 
 ENGINES = ("inprocess", "flower")
 RENAMED_KEYS = {"tau": "clip", "noise_calibration": "calibration"}

@@ -32,7 +32,7 @@ from dpopt.federated.privacy import ClientLedgers, ClientNoise, epsilons_of
 from dpopt.federated.rules import ServerState, client_update
 from dpopt.privacy import PrivacyLedger
 from dpopt.report import chance_warning
-from dpopt.run import MODEL_DIR, export_model
+from dpopt.export import MODEL_DIR, export_model
 
 Fault = Literal["crash", "lost"]
 FaultSchedule = Callable[[int, int], "Fault | None"]

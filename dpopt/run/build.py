@@ -22,7 +22,7 @@ from dpopt.models import MODEL_TRAINABLE, build_model, hf_folder
 from dpopt.noise.rng import derive_seed, secret_key
 from dpopt.privacy import PrivacyLedger
 from dpopt.run.config import DEFAULT_BATCH, DEFAULT_PHYSICAL_BATCH, TrainConfig
-from dpopt.run.task import classification_loss
+from dpopt.task import classification_loss
 
 
 @dataclass

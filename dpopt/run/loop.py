@@ -31,9 +31,10 @@ from dpopt.plan import mechanism
 from dpopt.report import CURVES, LOG, TENSORBOARD, logging_to, plot_curves, tensorboard_writer
 from dpopt.run.build import build_run
 from dpopt.run.config import TrainConfig
-from dpopt.run.outputs import MODEL_DIR, bar_epsilon, chance_warning, export_model, metrics_of, write_metrics
+from dpopt.export import MODEL_DIR, export_model
+from dpopt.run.outputs import bar_epsilon, chance_warning, metrics_of, write_metrics
 from dpopt.run.state import checkpoint_state, restore, saved_key, saved_steps_per_epoch
-from dpopt.run.task import accuracy
+from dpopt.task import accuracy
 
 
 def _silent(_: str) -> None:

@@ -1,4 +1,5 @@
-"""The classification task a run trains and evaluates: per-example cross-entropy and accuracy."""
+"""The classification task ``dpopt train`` and ``dpopt federated`` train and evaluate: per-example cross-entropy
+and accuracy."""
 
 from __future__ import annotations
 
