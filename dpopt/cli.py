@@ -297,6 +297,9 @@ def _summary(path: Path) -> str:
 @command("reproduce", _add_reproduce)
 def _reproduce(args: argparse.Namespace) -> int:
     folder = _experiments_dir()
+    if not (folder / "__init__.py").is_file() or not (folder.parent / "pyproject.toml").is_file():
+        raise ValueError("dpopt reproduce needs a source checkout: the experiments/ folder is not part of the "
+                         "installed package (clone the repository, pip install -e . and run it there)")
     names = sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_"))
     if args.help or not args.name:
         width = max(map(len, names))
