@@ -5,8 +5,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 CORE := $(VENV)/.installed-core
 STAMP := $(VENV)/.installed
+DOCS := $(VENV)/.installed-docs
 
-.PHONY: demo test install wheel-smoke
+.PHONY: demo test install wheel-smoke docs docs-check docs-browser
 
 # The demo: dpopt and its core dependencies only (torch, numpy, scipy, dp-accounting, scikit-learn, tqdm).
 $(CORE): pyproject.toml constraints.txt
@@ -34,3 +35,23 @@ test: $(STAMP)
 # unchanged), then import, dpopt --help, a short private run (.ci/wheel_smoke.sh).
 wheel-smoke: $(CORE)
 	bash .ci/wheel_smoke.sh
+
+# The docs site (mkdocs.yml): the [docs] extra, then a strict build into site/ (any warning fails it: a broken
+# link or anchor, a page left out of the nav, a public name without its reference entry).
+$(DOCS): pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PIP) -e '.[docs]'
+	touch $(DOCS)
+
+docs: $(DOCS)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# The built site as a reader sees it: no broken internal link, then the home page, a guide and an API page opened
+# in headless Chromium (title, navigation, code blocks), screenshots in site/_screenshots/. Needs Debian's
+# chromium: `make docs-browser` installs it (root, apt).
+docs-check: docs
+	$(PY) tools/docs_check.py links
+	$(PY) tools/docs_check.py browser
+
+docs-browser:
+	command -v chromium >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium)
