@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Sampler, Subset
 from transformers import Trainer
 
 from dpopt.algorithms import CONFIGS, Hyperparameters, hyperparameters_for
-from dpopt.algorithms.base import DPOptimizer
+from dpopt.algorithms.base import PrivateStep
 from dpopt.checkpoint import write_atomic
 from dpopt.grad.batch import batch_size_of
 from dpopt.loop import PrivateOptimizer, make_private
@@ -112,11 +112,11 @@ class _LogicalBatches(Sampler[list[int]]):
 
 class _PrivateUpdate(PrivateOptimizer):
     """The ``PrivateOptimizer`` the Trainer holds: ``step()`` is the update of a logical step whose release
-    ``training_step`` made (``DPOptimizer.apply``), with the released gradient in ``.grad`` (so the Trainer's
+    ``training_step`` made (``PrivateStep.apply``), with the released gradient in ``.grad`` (so the Trainer's
     ``max_grad_norm`` and logged ``grad_norm`` see it), or in ``released`` where it has other shapes than the
     parameters (DP-GRAPE's projections, DPZero's scalar). The Trainer's schedule sets the learning rate."""
 
-    def __init__(self, dp: DPOptimizer, key: int | bytes, delta: float) -> None:
+    def __init__(self, dp: PrivateStep, key: int | bytes, delta: float) -> None:
         super().__init__(dp, True, key, delta)
         self.released: list[torch.Tensor] | None = None
 
@@ -157,7 +157,7 @@ class PrivateTrainer(Trainer):
             self.label_names = ["labels"]
         self.privacy, self.per_example_loss = privacy, per_example_loss
         self._given = self.optimizer, self.lr_scheduler  # Trainer(optimizers=...), or (None, None)
-        self.dp: DPOptimizer | None = None
+        self.dp: PrivateStep | None = None
 
     @property
     def ledger(self) -> PrivacyLedger:

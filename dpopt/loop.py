@@ -11,10 +11,10 @@
             optimizer.step()                           # one release after a logical batch's last physical one
     print(optimizer.epsilon())                         # at the run's delta
 
-It is ``DPOptimizer.step`` split at the caller's backward, not a second engine: the engine records each
+It is ``PrivateStep.step`` split at the caller's backward, not a second engine: the engine records each
 physical batch's per-example gradients during ``loss.backward()`` (``PerExampleEngine.record``),
 ``Privatizer.clip`` adds their clipped sum to the logical step's running sums, and after the last physical
-batch ``DPOptimizer.finish`` releases them once (noise, ledger) and updates. ``batches`` releases an empty
+batch ``PrivateStep.finish`` releases them once (noise, ledger) and updates. ``batches`` releases an empty
 logical batch itself (noise alone). The sampling, the noise and their calibration come from the ``PrivacyPlan``
 of the recipe, as in ``dpopt train``. Attribution is verified on 3 distinct examples before anything is
 released.
@@ -26,7 +26,7 @@ x_t-1, zeroth-order at x +/- lambda u) take a closure instead of the caller's ba
     for batch in batches:
         optimizer.step(lambda: loss_fn(model, batch))  # per-example losses [B]; no backward inside
 
-The recipe's statistic calls the closure (an ``engine.Closure`` batch) wherever ``DPOptimizer.step`` would
+The recipe's statistic calls the closure (an ``engine.Closure`` batch) wherever ``PrivateStep.step`` would
 evaluate ``loss_fn`` on the physical batch, at the points it chooses; any recipe accepts a closure.
 """
 
@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.data import Dataset, default_collate
 
 from dpopt.algorithms import Hyperparameters, build_algorithm, hyperparameters_for
-from dpopt.algorithms.base import DPOptimizer
+from dpopt.algorithms.base import PrivateStep
 from dpopt.data.samplers import take
 from dpopt.device import to_device
 from dpopt.grad.batch import Closure, LossFn
@@ -60,7 +60,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
     update uses the release. It shares a torch base's parameter groups (a recipe's own update reads the first
     group's ``lr``), so ``torch.optim.lr_scheduler`` schedules it as any torch optimizer."""
 
-    def __init__(self, dp: DPOptimizer, mean: bool, key: int | bytes, delta: float) -> None:
+    def __init__(self, dp: PrivateStep, mean: bool, key: int | bytes, delta: float) -> None:
         lr = getattr(dp.base, "lr", None)
         super().__init__(dp.params, {} if lr is None else {"lr": lr})
         if isinstance(dp.base, torch.optim.Optimizer):
@@ -150,12 +150,12 @@ class PrivateOptimizer(torch.optim.Optimizer):
                                  randomness="secret-seed" if isinstance(self.key, int) else "os-entropy-key")
 
 
-def private_state(dp: DPOptimizer, key: int | bytes) -> dict[str, Any]:
+def private_state(dp: PrivateStep, key: int | bytes) -> dict[str, Any]:
     """What resuming a run needs: the optimizer's state, the ledger and the secret key (so it is private)."""
     return {"dpopt": dp.state_dict(), "ledger": dp.privatizer.ledger.to_dict(), "secret_key": key}
 
 
-def load_private_state(dp: DPOptimizer, state: dict[str, Any]) -> int | bytes:
+def load_private_state(dp: PrivateStep, state: dict[str, Any]) -> int | bytes:
     """Restore ``private_state`` into ``dp`` before its first release: its sampler and noise take the saved key,
     its ledger the saved releases. Refused after a release, whose account the saved ledger would drop."""
     if dp.steps or dp.privatizer.ledger.entries:
@@ -173,7 +173,7 @@ class PrivateBatches:
     """One epoch of logical batches drawn by the plan's sampler, each handed out in physical batches on the model's
     device."""
 
-    def __init__(self, dp: DPOptimizer, data: Any, optimizer: PrivateOptimizer) -> None:
+    def __init__(self, dp: PrivateStep, data: Any, optimizer: PrivateOptimizer) -> None:
         self.dp, self.data, self.optimizer = dp, data, optimizer
 
     def __len__(self) -> int:
@@ -245,9 +245,9 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | None, data
         dp = build_algorithm(plan.algorithm, engine, privatizer, hp)
     else:
         _check_optimizer(optimizer, engine)
-        dp = DPOptimizer(engine, privatizer, optimizer)
+        dp = PrivateStep(engine, privatizer, optimizer)
     dp.physical_batch_size = physical_batch_size
-    if not dp.verified:  # as DPOptimizer.step: not for a statistic that is no per-example gradient (zeroth-order)
+    if not dp.verified:  # as PrivateStep.step: not for a statistic that is no per-example gradient (zeroth-order)
         dp.verify(data)
     private = PrivateOptimizer(dp, loss_reduction == "mean", key, delta)
     return model, private, PrivateBatches(dp, data, private)

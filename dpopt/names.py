@@ -38,3 +38,14 @@ def _renamed_flag(message: str) -> type[argparse.Action]:
             parser.error(message)
 
     return Renamed
+
+
+def renamed_attributes(module: str, **new_names: str) -> Callable[[str], Any]:
+    """A module ``__getattr__`` under which an old name (``from module import Old``) fails with "Old is now New"."""
+
+    def attribute(name: str) -> Any:
+        if name in new_names:
+            raise ImportError(f"{module}.{name} is now {new_names[name]}")
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return attribute

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dpopt.algorithms import CONFIGS, DPOptimizer, Privatizer, build_algorithm
+from dpopt.algorithms import CONFIGS, PrivateStep, Privatizer, build_algorithm
 from dpopt.bench import cpu_medians_in_turn, peak_tensor_mb
 from dpopt.clipping import Clipping
 from dpopt.data.datasets import Dataset
@@ -53,7 +53,7 @@ def workload(name: str, batch: int) -> tuple[torch.nn.Module, Any, Any]:
     return minilm_random(Dataset("cost", {"labels": torch.zeros(1)}, None, 2)), data, loss
 
 
-def build(name: str, batch: int, base: str, system: str) -> tuple[DPOptimizer, Any]:
+def build(name: str, batch: int, base: str, system: str) -> tuple[PrivateStep, Any]:
     model, data, loss = workload(name, batch)
     prefix, extra = SYSTEMS[system]
     privatizer = Privatizer(Clipping(1.0), GaussianNoise(1.0, 1.0, SecretStream(0, "noise")),
@@ -66,7 +66,7 @@ def build(name: str, batch: int, base: str, system: str) -> tuple[DPOptimizer, A
     return opt, data
 
 
-def state_mb(opt: DPOptimizer) -> dict[str, float]:
+def state_mb(opt: PrivateStep) -> dict[str, float]:
     size = lambda ts: sum(t.numel() * t.element_size() for t in ts) / 2**20  # noqa: E731
     base = [v for s in opt.base.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     kf = [t for f in opt.transforms if isinstance(f, KalmanFilter) for t in (f.filtered or []) + (f.delta or [])]

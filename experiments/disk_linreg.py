@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dpopt.algorithms import SGD, DiSKSGD, DPOptimizer, Privatizer, build_algorithm
+from dpopt.algorithms import SGD, DiSKSGD, PrivateStep, Privatizer, build_algorithm
 from dpopt.algorithms.first_order import BASES
 from dpopt.clipping import Clipping
 from dpopt.data.samplers import PoissonSampler
@@ -57,7 +57,7 @@ def run(method: str, z: float, lr: float, seed: int) -> float:
     if method == "dp-sgd":
         opt = build_algorithm("dp-sgd", engine, privatizer, SGD(lr=lr))
     elif method == "ema-only":  # the filter alone: statistic at x_t only
-        opt = DPOptimizer(engine, privatizer, BASES["sgd"](engine.params, SGD(lr=lr)),
+        opt = PrivateStep(engine, privatizer, BASES["sgd"](engine.params, SGD(lr=lr)),
                           transforms=[KalmanFilter(KAPPA, 1.0)])
     else:
         opt = build_algorithm("disk-sgd", engine, privatizer, DiSKSGD(lr=lr, kappa=KAPPA, gamma=METHODS[method]))

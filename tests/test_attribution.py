@@ -10,7 +10,7 @@ from torch import nn
 from dpopt.algorithms import SGD, Privatizer, build_algorithm
 from dpopt.clipping import Clipping
 from dpopt.data.samplers import PoissonSampler, distinct_examples
-from dpopt.grad import ExampleMixingError, PerExampleEngine, check_per_example
+from dpopt.grad import PerExampleEngine, check_per_example
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.rng import SecretStream
 from dpopt.privacy import PrivacyLedger
@@ -100,34 +100,34 @@ def data(model: nn.Module, n: int, t: int):
     return x, torch.randint(0, 2, (n,))
 
 
-# (model, T, the error the engine's check gives); T is a multiple of 3 where a multiple of the batch size
-# would let hooks regroup the rows silently
-REFUSED = {
-    "wpe(arange(T))": (lambda: Positions(6), 6, r"layer 'wpe' \(Embedding\) do not match"),
-    "Linear on [T, B, d]": (lambda: SequenceFirst("linear"), 6, r"layer 'seq' \(Linear\) do not match"),
-    "Linear on [T*B, d] rows": (lambda: SequenceFirst("rows"), 6, r"layer 'seq' \(Linear\) do not match"),
-    "MultiheadAttention on [T, B, d]": (lambda: SequenceFirst("attention"), 6,
-                                        r"layer 'seq' \(MultiheadAttention\) .* dimension 0 is not the batch"),
-    "LSTM on [T, B, d]": (lambda: SequenceFirst("lstm"), 5, r"layer 'seq' \(LSTM\) .* dimension 0 is not the batch"),
-    "MultiheadAttention on [T, B, d], T = B": (lambda: SequenceFirst("attention"), 3,
-                                               r"layer 'seq' \(MultiheadAttention\) do not match"),
-    "LSTM on [T, B, d], T = B": (lambda: SequenceFirst("lstm"), 3, r"layer 'seq' \(LSTM\) do not match"),
-    "[1, T, d] buffer, output[0]": (lambda: SharedBuffer(6), 6, r"layer 'pos' \(Linear\) do not match"),
-    "F.linear(h, self.emb.weight)": (lambda: HandTied(6), 6,
-                                     r"layer '<root>' \(HandTied\) uses parameter 'emb.weight' of layer 'emb' "
-                                     r"\(Embedding\) outside that layer's forward"),
+# (model, T, the layer hooks cannot attribute); T is a multiple of 3 where a multiple of the batch size would let
+# hooks regroup the rows silently. Each is now routed to torch.func over the model (tests/test_shared_layouts.py).
+LAYOUTS = {
+    "wpe(arange(T))": (lambda: Positions(6), 6, "wpe"),
+    "Linear on [T, B, d]": (lambda: SequenceFirst("linear"), 6, "seq"),
+    "Linear on [T*B, d] rows": (lambda: SequenceFirst("rows"), 6, "seq"),
+    "MultiheadAttention on [T, B, d]": (lambda: SequenceFirst("attention"), 6, "seq"),
+    "LSTM on [T, B, d]": (lambda: SequenceFirst("lstm"), 5, "seq"),
+    "MultiheadAttention on [T, B, d], T = B": (lambda: SequenceFirst("attention"), 3, "seq"),
+    "LSTM on [T, B, d], T = B": (lambda: SequenceFirst("lstm"), 3, "seq"),
+    "[1, T, d] buffer, output[0]": (lambda: SharedBuffer(6), 6, "pos"),
+    "F.linear(h, self.emb.weight)": (lambda: HandTied(6), 6, "emb"),
 }
 
 
-@pytest.mark.parametrize("layout", REFUSED)
-def test_a_layout_hooks_cannot_attribute_is_refused_naming_the_layer(layout):
-    build, t, error = REFUSED[layout]
+def routed(engine: PerExampleEngine) -> set[str]:
+    """The top-level layers whose parameters the engine takes with torch.func over a module around them."""
+    return {engine.names[i].split(".")[0] for held in engine.routes.values() for i in held}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_layout_hooks_cannot_attribute_is_routed_to_torch_func_not_refused(layout):
+    build, t, layer = LAYOUTS[layout]
     torch.manual_seed(0)
     model = build()
-    batch = data(model, 3, t)
-    with pytest.raises((ExampleMixingError, ValueError), match=error):
-        PerExampleEngine(model, mlp_loss).verify(batch)
-    PerExampleEngine(model, mlp_loss, "vmap").verify(batch)  # the fix the error suggests
+    engine = PerExampleEngine(model, mlp_loss)
+    engine.verify(data(model, 3, t))
+    assert routed(engine) == {layer}
 
 
 def test_a_torch_func_module_whose_output_is_not_batch_first_is_refused_on_every_call():
@@ -163,18 +163,16 @@ def privately_trained(model: nn.Module, t: int, seed: int):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("layout", REFUSED)
-def test_no_release_before_attribution_is_verified_whatever_the_first_batch(layout, seed):
-    """The probe: each layout trained through DPOptimizer with a first Poisson batch of 1 or 2 examples."""
-    build, t, error = REFUSED[layout]
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_attribution_is_verified_before_the_first_release_whatever_the_first_batch(layout, seed):
+    """The probe: each layout trained through a PrivateStep with a first Poisson batch of 1 or 2 examples is found on
+    3 examples of the verifier's choosing, routed to torch.func, then released (refusals: test_shared_layouts)."""
+    build, t, layer = LAYOUTS[layout]
     torch.manual_seed(0)
     model = build()
     opt, dataset = privately_trained(model, t, seed)
-    before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises((ExampleMixingError, ValueError), match=error):
-        opt.step(dataset)
-    assert opt.privatizer.ledger.steps == 0 and not opt.verified
-    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    opt.step(dataset)
+    assert opt.verified and opt.privatizer.ledger.steps == 1 and routed(opt.engine) == {layer}
 
 
 def test_a_correct_model_is_verified_on_three_examples_of_its_own_choosing_then_trains():

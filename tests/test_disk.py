@@ -266,11 +266,11 @@ def test_disk_grape_privatizes_the_projected_mixture_and_filters_in_the_projecte
 
 
 def test_disk_refuses_a_base_with_its_own_statistic():
-    from dpopt.algorithms.base import DPOptimizer
+    from dpopt.algorithms.base import PrivateStep
     from dpopt.algorithms.disk import with_kalman
 
     def two_point(engine, privatizer, hp):
-        return DPOptimizer(engine, privatizer, torch.optim.SGD(engine.params, lr=hp.lr),
+        return PrivateStep(engine, privatizer, torch.optim.SGD(engine.params, lr=hp.lr),
                            statistic=lambda e, b: e.gradients(b) - e.gradients(b))
 
     model, _ = problem()

@@ -1,4 +1,4 @@
-"""PrivateTrainer: a Hugging Face Trainer step is DPOptimizer.step, resumes exactly, keeps its secret in the
+"""PrivateTrainer: a Hugging Face Trainer step is PrivateStep.step, resumes exactly, keeps its secret in the
 optimizer state only, and trains a tiny BERT, a tiny GPT-2 and LoRA adapters (DP-AdamW, DP-GRAPE)."""
 
 import copy

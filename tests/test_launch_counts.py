@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpopt import bench, launches
-from dpopt.algorithms.base import DPOptimizer, Privatizer
+from dpopt.algorithms.base import PrivateStep, Privatizer
 from dpopt.cli import main
 from dpopt.clipping import Clipping
 from dpopt.data.samplers import FixedOrderSampler
@@ -136,7 +136,7 @@ def _traces(statistic) -> tuple[list[list[launches.Op]], list[int]]:
         engine = PerExampleEngine(Tokens(), _weighted_loss, strategy="ghost")
         privatizer = Privatizer(Clipping(0.1), GaussianNoise(1.0, 0.1, SecretStream(1, "noise")),
                                 FixedOrderSampler(4 * n, n, SecretStream(2, "sampling")), PrivacyLedger())
-        opt = DPOptimizer(engine, privatizer, torch.optim.SGD(engine.params, lr=0.1), statistic=statistic,
+        opt = PrivateStep(engine, privatizer, torch.optim.SGD(engine.params, lr=0.1), statistic=statistic,
                           verify=False)
         opt.step((tokens, y, s, shifted))
         traces, nonfinite = [], []

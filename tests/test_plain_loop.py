@@ -1,5 +1,5 @@
 """The one-call entry for a plain PyTorch loop: the caller's own forward, ``loss.backward()`` and
-``optimizer.step()`` release exactly what ``DPOptimizer.step`` releases."""
+``optimizer.step()`` release exactly what ``PrivateStep.step`` releases."""
 
 import pytest
 import torch
@@ -32,7 +32,7 @@ def run_loop(model, optimizer, batches, loss, epochs=2):
 
 
 def assert_same_run(model, optimizer, reference, reference_optimizer, steps):
-    """The loop's run released what DPOptimizer.step released: parameters, steps, ledger and epsilon."""
+    """The loop's run released what PrivateStep.step released: parameters, steps, ledger and epsilon."""
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.allclose(p, q, rtol=0, atol=1e-12)
     assert optimizer.dp.steps == reference_optimizer.dp.steps == steps
@@ -90,7 +90,7 @@ def test_bad_input_is_refused():
 @pytest.mark.parametrize("recipe", ["disk-sgd", "dp-srg-memf", "dpzero", "dp-sgd"])
 def test_a_closure_loop_equals_dpoptimizer_step(recipe):
     """DiSK, SRG and zeroth-order evaluate the loss several times per step: ``optimizer.step(closure)`` lets
-    their statistic call the caller's closure on each physical batch, and releases what ``DPOptimizer.step``
+    their statistic call the caller's closure on each physical batch, and releases what ``PrivateStep.step``
     releases (a first-order recipe takes a closure too)."""
     (model, optimizer, batches), loss = setup(optimizer=recipe)
     start = [p.detach().clone() for p in model.parameters()]
@@ -118,7 +118,7 @@ def test_a_recipe_that_evaluates_several_points_needs_a_closure():
 
 def test_every_layer_rule_and_the_fallback_record_the_callers_backward():
     """The zoo (embedding, convolutions, norms, a Linear used twice, a torch.func fallback module): one
-    logical step through the plain loop releases what ``DPOptimizer.step`` releases."""
+    logical step through the plain loop releases what ``PrivateStep.step`` releases."""
     from helpers import Zoo, zoo_batch, zoo_loss
 
     def build():

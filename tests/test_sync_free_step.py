@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpopt.algorithms.base import DPOptimizer, Privatizer
+from dpopt.algorithms.base import PrivateStep, Privatizer
 from dpopt.clipping import Clipping, clip_and_sum
 from dpopt.data.samplers import FixedOrderSampler
 from dpopt.grad.engine import PerExampleEngine
@@ -88,7 +88,7 @@ def test_the_step_is_per_example_clipping_by_hand(mode, physical, strategy):
 
     privatizer = Privatizer(clipping, GaussianNoise(0.0, clipping.bound, SecretStream(1, "noise")),
                             FixedOrderSampler(B, B, SecretStream(2, "sampling")), PrivacyLedger())
-    opt = DPOptimizer(engine, privatizer, torch.optim.SGD(engine.params, lr=1.0), verify=False,
+    opt = PrivateStep(engine, privatizer, torch.optim.SGD(engine.params, lr=1.0), verify=False,
                       physical_batch_size=physical)
     with counting_syncs() as syncs:
         sums, counts, losses = opt.clipped_sums(data, torch.arange(B))

@@ -75,6 +75,8 @@ def test_old_names_get_one_line_naming_the_new_one():
     with pytest.raises(TypeError, match=r"^make_private\(hp=\.\.\.\) is now hyperparameters=$"):
         dpopt.make_private(model, None, data, loss, algorithm="dp-sgd", batch_size=10, noise_multiplier=1.0,
                            hp=hyperparameters_for("dp-sgd"))
+    with pytest.raises(ImportError, match=r"^dpopt.algorithms.DPOptimizer is now PrivateStep$"):
+        from dpopt.algorithms import DPOptimizer  # noqa: F401
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="not both"):
         dpopt.make_private(model, sgd, data, loss, algorithm="dp-sgd", batch_size=10, noise_multiplier=1.0)

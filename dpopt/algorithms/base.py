@@ -5,7 +5,7 @@
 ``Privatizer`` is stages 3-4 and the only code that releases information: it clips, adds the noise,
 records the release in the ledger and divides by the batch normaliser, in that order, every step
 (an empty batch included). It reads the participation and the normaliser from the sampler it was built
-with, so sampling and accounting cannot disagree. ``DPOptimizer.step(data)`` draws the batch from that
+with, so sampling and accounting cannot disagree. ``PrivateStep.step(data)`` draws the batch from that
 sampler itself (stage 1), then runs the rest; a method changes ``statistic`` (which per-example vector is
 privatized), ``transforms`` (post-processing, free under DP) or the base update.
 
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from dpopt.names import renamed_attributes
 from dpopt.clipping import Clipping, ClipStats, PerExampleStatistic, clip_and_sum, loss_totals
 from dpopt.data.samplers import PoissonSampler, Sampler, distinct_examples, take
 from dpopt.device import to_device
@@ -117,9 +118,10 @@ class StepResult:
     clipped: int = 0  # examples whose statistic the clip stage scaled down
 
 
-class DPOptimizer:
-    """One private step per call of ``step(batch)``: first-order by default; zeroth-order with a recipe's
-    scalar statistic, shapes and directional update (DPZero)."""
+class PrivateStep:
+    """The private step a recipe runs, once per call of ``step(batch)``: first-order by default; zeroth-order with a
+    recipe's scalar statistic, shapes and directional update (DPZero). It draws its own batch and is no torch
+    optimizer: ``make_private`` and ``PrivateTrainer`` drive it through a ``PrivateOptimizer``."""
 
     def __init__(self, engine: PerExampleEngine, privatizer: Privatizer, base: torch.optim.Optimizer,
                  transforms: Sequence[Transform] = (), statistic: Statistic | None = None,
@@ -275,3 +277,6 @@ def as_param_dtypes(grads: list[torch.Tensor], params: list[torch.Tensor]) -> li
     if todo:
         torch._foreach_copy_([o for o, _ in todo], [g for _, g in todo])
     return out
+
+
+__getattr__ = renamed_attributes(__name__, DPOptimizer="PrivateStep")

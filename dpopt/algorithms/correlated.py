@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import warnings
 
-from dpopt.algorithms.base import DPOptimizer, Privatizer
+from dpopt.algorithms.base import PrivateStep, Privatizer
 from dpopt.algorithms.first_order import BASES
 from dpopt.algorithms.hyperparameters import SGD, SRG, SRGD, StepRule
 from dpopt.algorithms.registry import register
@@ -27,8 +27,8 @@ from dpopt.transforms.srg import RecursiveGradient
 
 
 # defaults: tuned on digits, MLP, epsilon 2 (docs/defaults.md)
-def _sgd(engine: PerExampleEngine, privatizer: Privatizer, hp: SGD) -> DPOptimizer:
-    return DPOptimizer(engine, privatizer, BASES["sgd"](engine.params, hp))
+def _sgd(engine: PerExampleEngine, privatizer: Privatizer, hp: SGD) -> PrivateStep:
+    return PrivateStep(engine, privatizer, BASES["sgd"](engine.params, hp))
 
 
 # The tree-noise SGD recipes' lr shrinks like 1/sqrt(T) from its digits value (240 steps), as MNIST's 9,380 steps
@@ -45,9 +45,9 @@ register("dp-memf", SGD, noise="mf", sampling="cyclic", defaults={"lr": 0.3})(_s
 
 
 @register("dp-srg-memf", SRG, noise="mf", sampling="cyclic", defaults={"lr": 0.3})
-def dp_srg_memf(engine: PerExampleEngine, privatizer: Privatizer, hp: SRG) -> DPOptimizer:
+def dp_srg_memf(engine: PerExampleEngine, privatizer: Privatizer, hp: SRG) -> PrivateStep:
     srg = RecursiveGradient(hp.decay)
-    return DPOptimizer(engine, privatizer, BASES["sgd"](engine.params, hp), transforms=[srg], statistic=srg.statistic)
+    return PrivateStep(engine, privatizer, BASES["sgd"](engine.params, hp), transforms=[srg], statistic=srg.statistic)
 
 
 # Accelerated-DP-SRGD's step 1/β must shrink like 1/T: the weighted differences η_t∇f(x_t) − η_{t−1}∇f(x_{t−1})
@@ -63,7 +63,7 @@ ACCELERATED_SCALE = StepRule(1 / 938, -1.0, floor=1.0)
 
 
 def _srgd(accelerate: bool):
-    def recipe(engine: PerExampleEngine, privatizer: Privatizer, hp: SRGD) -> DPOptimizer:
+    def recipe(engine: PerExampleEngine, privatizer: Privatizer, hp: SRGD) -> PrivateStep:
         steps = getattr(privatizer.noise, "horizon", 0)  # the run's length, where the noise is built for it
         if accelerate and steps and hp.lr > TOO_LARGE * ACCELERATED_LR(steps):
             warnings.warn(f"accel-dp-srgd's step 1/beta = lr = {hp.lr:g} over {steps} steps is likely too large: "
@@ -71,7 +71,7 @@ def _srgd(accelerate: bool):
                           f"beta >= 2MT); its default is {ACCELERATED_LR} = {ACCELERATED_LR(steps):.2g} "
                           "(docs/defaults.md)", stacklevel=2)
         coupling = AcceleratedSRG(engine.params, hp.lr, hp.radius, accelerate, hp.statistic_scale)
-        return DPOptimizer(engine, privatizer, coupling, statistic=coupling.statistic)
+        return PrivateStep(engine, privatizer, coupling, statistic=coupling.statistic)
 
     return recipe
 

@@ -8,7 +8,7 @@ noise and ledger stay the base's: one release per step, whatever noise mechanism
 from __future__ import annotations
 
 from dpopt.algorithms import first_order, grape  # noqa: F401  (registers the bases wrapped below)
-from dpopt.algorithms.base import DPOptimizer, Privatizer
+from dpopt.algorithms.base import PrivateStep, Privatizer
 from dpopt.algorithms.hyperparameters import DiSKAdam, DiSKProjection, DiSKSGD, Hyperparameters
 from dpopt.algorithms.registry import ALGORITHMS, DEFAULTS, Recipe, register
 from dpopt.grad.engine import PerExampleEngine
@@ -19,13 +19,13 @@ WRAPPED = {"disk-sgd": ("dp-sgd", DiSKSGD), "disk-adam": ("dp-adam", DiSKAdam), 
 
 
 def with_kalman(recipe: Recipe) -> Recipe:
-    def disk(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
+    def disk(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> PrivateStep:
         base = recipe(engine, privatizer, hp)
         if base._statistic is not None:
             raise ValueError("DiSK privatizes its own two-point statistic; it wraps only a method whose "
                              "statistic is the plain per-example gradient")
         kf = KalmanFilter(hp.kappa, hp.gamma)
-        return DPOptimizer(engine, privatizer, base.base, transforms=[kf, *base.transforms], statistic=kf.statistic)
+        return PrivateStep(engine, privatizer, base.base, transforms=[kf, *base.transforms], statistic=kf.statistic)
 
     return disk
 

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from dpopt.algorithms.base import DPOptimizer, Privatizer
+from dpopt.algorithms.base import PrivateStep, Privatizer
 from dpopt.algorithms.hyperparameters import SGD, Adam, Hyperparameters, StepRule
 from dpopt.algorithms.registry import register
 from dpopt.grad.engine import PerExampleEngine
@@ -22,8 +22,8 @@ BASES: dict[str, Callable[[list[torch.Tensor], Hyperparameters], torch.optim.Opt
 
 
 def _dp(base: str):
-    def recipe(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> DPOptimizer:
-        return DPOptimizer(engine, privatizer, BASES[base](engine.params, hp))
+    def recipe(engine: PerExampleEngine, privatizer: Privatizer, hp: Hyperparameters) -> PrivateStep:
+        return PrivateStep(engine, privatizer, BASES[base](engine.params, hp))
 
     return recipe
 

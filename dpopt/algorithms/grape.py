@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpopt.algorithms.base import DPOptimizer, Privatizer
+from dpopt.algorithms.base import PrivateStep, Privatizer
 from dpopt.algorithms.first_order import ADAM_DEFAULTS
 from dpopt.algorithms.hyperparameters import Projection, StepRule
 from dpopt.algorithms.registry import register
@@ -26,12 +26,12 @@ from dpopt.transforms.projected_adam import ProjectedAdam
 
 
 @register("dp-grape", Projection, defaults=ADAM_DEFAULTS)
-def dp_grape(engine: PerExampleEngine, privatizer: Privatizer, hp: Projection) -> DPOptimizer:
+def dp_grape(engine: PerExampleEngine, privatizer: Privatizer, hp: Projection) -> PrivateStep:
     projection = RandomProjection.on(engine, hp.rank, hp.subspace_every, hp.projection_seed,
                                      parse_exclude(hp.projection_exclude))
     engine.projection = projection
     update = ProjectedAdam(engine.params, projection, hp.lr, hp.betas, hp.eps, hp.weight_decay, hp.reset_moments)
-    return DPOptimizer(engine, privatizer, update, transforms=[projection])
+    return PrivateStep(engine, privatizer, update, transforms=[projection])
 
 
 # Twice the Adam family's rule: at 0.15 / sqrt(T) DP-GaLore missed on the ViT (76.92% against dp-sgd's 87.14);
@@ -40,10 +40,10 @@ GALORE_DEFAULTS = {"lr": StepRule(0.3, 0.5)}
 
 
 @register("dp-galore", Projection, defaults=GALORE_DEFAULTS)
-def dp_galore(engine: PerExampleEngine, privatizer: Privatizer, hp: Projection) -> DPOptimizer:
+def dp_galore(engine: PerExampleEngine, privatizer: Privatizer, hp: Projection) -> PrivateStep:
     projection = SVDProjection.on(engine, hp.rank, hp.subspace_every, parse_exclude(hp.projection_exclude))
     update = ProjectedAdam(engine.params, projection, hp.lr, hp.betas, hp.eps, hp.weight_decay, hp.reset_moments)
-    return DPOptimizer(engine, privatizer, update, transforms=[projection])
+    return PrivateStep(engine, privatizer, update, transforms=[projection])
 
 
 class GaLore:

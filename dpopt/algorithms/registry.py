@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any, Callable
 
-from dpopt.algorithms.base import DPOptimizer, Privatizer
+from dpopt.algorithms.base import PrivateStep, Privatizer
 from dpopt.algorithms.hyperparameters import Hyperparameters
 from dpopt.grad.engine import PerExampleEngine
 
-Recipe = Callable[[PerExampleEngine, Privatizer, Hyperparameters], DPOptimizer]
+Recipe = Callable[[PerExampleEngine, Privatizer, Hyperparameters], PrivateStep]
 ALGORITHMS: dict[str, Recipe] = {}
 CONFIGS: dict[str, type[Hyperparameters]] = {}  # the typed config of each recipe's family
 DEFAULT_NOISE: dict[str, str] = {}  # a recipe's noise mechanism unless --noise says otherwise
@@ -74,7 +74,7 @@ def hyperparameters_for(name: str, spell: Callable[[str], str] = str, **override
 
 
 def build_algorithm(name: str, engine: PerExampleEngine, privatizer: Privatizer,
-                    hp: Hyperparameters, physical_batch_size: int | None = None) -> DPOptimizer:
+                    hp: Hyperparameters, physical_batch_size: int | None = None) -> PrivateStep:
     """The recipe ``name`` with hyper-parameters ``hp`` (of its family: ``hyperparameters_for``); its steps go
     through the engine ``physical_batch_size`` examples at a time."""
     check_algorithm(name)

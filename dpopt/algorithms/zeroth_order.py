@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dpopt.algorithms.base import DPOptimizer, Privatizer
+from dpopt.algorithms.base import PrivateStep, Privatizer
 from dpopt.algorithms.hyperparameters import ZerothOrder
 from dpopt.algorithms.registry import register
 from dpopt.clipping import ClipStats, PerExampleStatistic
@@ -75,29 +75,29 @@ def _direction(engine: PerExampleEngine, hp: ZerothOrder) -> Direction:
     return Direction(engine.params, hp.direction_seed, hp.direction)
 
 
-def _scalar_step(engine: PerExampleEngine, privatizer: Privatizer, hp: ZerothOrder) -> DPOptimizer:
+def _scalar_step(engine: PerExampleEngine, privatizer: Privatizer, hp: ZerothOrder) -> PrivateStep:
     direction = _direction(engine, hp)
 
     def statistic(eng: PerExampleEngine, batch: Any) -> PerExampleScalars:
         return finite_differences(eng, batch, direction, hp.smoothing)
 
-    return DPOptimizer(engine, privatizer, DirectionalUpdate(direction, hp.lr), transforms=[direction],
+    return PrivateStep(engine, privatizer, DirectionalUpdate(direction, hp.lr), transforms=[direction],
                        statistic=statistic, shapes=SCALAR, verify=False)
 
 
 @register("dpzero", ZerothOrder, defaults={"lr": 0.2})
-def dpzero(engine: PerExampleEngine, privatizer: Privatizer, hp: ZerothOrder) -> DPOptimizer:
+def dpzero(engine: PerExampleEngine, privatizer: Privatizer, hp: ZerothOrder) -> PrivateStep:
     return _scalar_step(engine, privatizer, hp)
 
 
 @register("mezo", ZerothOrder, private=False, defaults={"lr": 0.01})
-def mezo(engine: PerExampleEngine, privatizer: Privatizer, hp: ZerothOrder) -> DPOptimizer:
+def mezo(engine: PerExampleEngine, privatizer: Privatizer, hp: ZerothOrder) -> PrivateStep:
     plain = NonPrivate(privatizer.clipping, privatizer.noise, privatizer.sampler, privatizer.ledger)
     return _scalar_step(engine, plain, hp)
 
 
 @register("dpgd-0th", ZerothOrder, defaults={"lr": 0.1})
-def dpgd_0th(engine: PerExampleEngine, privatizer: Privatizer, hp: ZerothOrder) -> DPOptimizer:
+def dpgd_0th(engine: PerExampleEngine, privatizer: Privatizer, hp: ZerothOrder) -> PrivateStep:
     direction = _direction(engine, hp)
 
     def statistic(eng: PerExampleEngine, batch: Any) -> DirectionalGradients:
@@ -105,4 +105,4 @@ def dpgd_0th(engine: PerExampleEngine, privatizer: Privatizer, hp: ZerothOrder) 
         return DirectionalGradients(scalars, direction, eng.groups, direction.step)
 
     base = torch.optim.SGD(engine.params, lr=hp.lr)
-    return DPOptimizer(engine, privatizer, base, transforms=[direction], statistic=statistic, verify=False)
+    return PrivateStep(engine, privatizer, base, transforms=[direction], statistic=statistic, verify=False)

@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from dpopt.algorithms import ALGORITHMS, DPOptimizer, Hyperparameters, Privatizer, hyperparameters_for
+from dpopt.algorithms import ALGORITHMS, PrivateStep, Hyperparameters, Privatizer, hyperparameters_for
 from dpopt.audit.bounds import ThresholdTest, threshold_audit
 from dpopt.clipping import Clipping
 from dpopt.data.samplers import PoissonSampler
@@ -187,7 +187,7 @@ class ReleaseRecorder(Transform):
         return grads
 
 
-def record_releases(optimizer: DPOptimizer, index: int) -> ReleaseRecorder:
+def record_releases(optimizer: PrivateStep, index: int) -> ReleaseRecorder:
     recorder = ReleaseRecorder(index)
     optimizer.transforms.insert(0, recorder)
     return recorder

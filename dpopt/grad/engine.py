@@ -10,8 +10,9 @@ Backward is run with ``torch.autograd.grad`` towards a zero "sink" scalar that i
 the first layers, with the parameters passed as constants: autograd then computes activation gradients
 only and never the (batch-summed) weight gradients, which the clip stage forms itself from the same
 factors (book-keeping). Layer hooks see every supported layer's input and output gradient; modules
-without a rule are differentiated per example with ``torch.func`` (``fallback.py``). ``mode="vmap"``
-runs the whole model through ``torch.func`` instead: the reference the hook path is tested against.
+without a rule are differentiated per example with ``torch.func`` (``fallback.py``), and so are the layers hooks
+cannot attribute to examples, over a batch-first module around them that ``verify`` chooses (``routing.py``).
+``mode="vmap"`` runs the whole model through ``torch.func`` instead: the reference the hook path is tested against.
 """
 
 from __future__ import annotations
@@ -80,8 +81,10 @@ class PerExampleEngine:
         # one place), for ``functional_call`` without its weight tying, which would restore such a module's
         # parameter to the substituted tensor.
         self._slots = {"model." + n: i for n, i in slots(model, self._index).items()}
-        self.units: list[Unit] = []
-        self._collect_units(model, "", set())
+        # module name -> the parameters whose per-example gradients torch.func takes over it, where hooks cannot
+        # attribute them (``routing.py``; set by ``verify``)
+        self.routes: dict[str, set[int]] = {}
+        self.units = self._units()
         self.groups = self._layer_groups()
         # An optional projection of per-example gradients (DP-GRAPE), applied to each capture in backprop:
         # any object with ``sides`` (projected parameter indices), ``shape(i)`` and ``project(i, capture)``.
@@ -122,7 +125,7 @@ class PerExampleEngine:
         return [proj.shape(i) if proj is not None and i in proj.sides else p.shape for i, p in enumerate(self.params)]
 
     # --- structure ---------------------------------------------------------------------------------
-    def _collect_units(self, module: nn.Module, name: str, seen: set[int]) -> None:
+    def _collect_units(self, module: nn.Module, name: str, seen: set[int], units: list[Unit]) -> None:
         """One unit per module with trainable parameters of its own, each module once however often it is
         registered; a module without a rule takes its whole subtree."""
         if id(module) in seen:
@@ -133,11 +136,35 @@ class PerExampleEngine:
         if direct:
             rule = rule_for(module)
             if rule is None:  # generic: the whole subtree, which may use its children's parameters directly
-                self.units.append(Unit(name, module, None, slots(module, self._index)))
+                units.append(Unit(name, module, None, slots(module, self._index)))
                 return
-            self.units.append(Unit(name, module, rule, direct))
+            units.append(Unit(name, module, rule, direct))
         for child_name, child in module.named_children():
-            self._collect_units(child, f"{name}.{child_name}" if name else child_name, seen)
+            self._collect_units(child, f"{name}.{child_name}" if name else child_name, seen, units)
+
+    def _units(self) -> list[Unit]:
+        """The units of the model, less the parameters routed elsewhere, and one unit per route."""
+        units: list[Unit] = []
+        self._collect_units(self.model, "", set(), units)
+        routed = set().union(*self.routes.values())
+        kept = []
+        for u in units:
+            params = {n: i for n, i in u.params.items() if i not in routed}
+            if params:
+                fixed = {n: i for n, i in u.params.items() if i in routed}
+                kept.append(Unit(u.name, u.module, u.rule, params, fixed=fixed if u.rule is None else None))
+        modules = dict(self.model.named_modules())
+        for name, routed_here in self.routes.items():
+            held = slots(modules[name], self._index)
+            kept.append(Unit(name, modules[name], None, {n: i for n, i in held.items() if i in routed_here},
+                             exclusive=False, fixed={n: i for n, i in held.items() if i not in routed_here}))
+        return kept
+
+    def route(self, routes: dict[str, set[int]]) -> None:
+        """Take the per-example gradients of the parameters ``routes`` names (module name -> parameter indices)
+        with torch.func over that module, and those of every other parameter as before."""
+        self.routes = {name: set(params) for name, params in routes.items() if params}
+        self.units = self._units()
 
     def _layers(self, j: int) -> str:
         """The units that capture parameter ``j``, for error messages."""

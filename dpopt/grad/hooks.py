@@ -1,6 +1,6 @@
 """Recording: the layer hooks of one forward and backward. A layer with a rule (``rules.py``) captures its input
-and output gradient as factors of its per-example gradients; a module without one is recorded and differentiated
-per example with ``torch.func`` (``fallback.py``)."""
+and output gradient as factors of its per-example gradients; a module without one, or a route (``routing.py``),
+is recorded and differentiated per example with ``torch.func`` (``fallback.py``)."""
 
 from __future__ import annotations
 
@@ -20,11 +20,20 @@ if TYPE_CHECKING:
 
 
 class Unit:
-    """A module whose parameters' per-example gradients are captured together."""
+    """A module whose parameters' per-example gradients are captured together: by its layer rule, or with
+    ``torch.func`` over its subtree (no rule). A torch.func unit is ``exclusive`` (the modules it calls are
+    not recorded: it recomputes them) unless it is a route (``routing.py``), which differentiates only the
+    parameters routed to it while the layers inside keep their hooks; ``fixed``: its subtree's other trainable
+    parameters, held constant."""
 
-    def __init__(self, name: str, module: nn.Module, rule: Rule | None, params: dict[str, int]) -> None:
+    def __init__(self, name: str, module: nn.Module, rule: Rule | None, params: dict[str, int],
+                 exclusive: bool = True, fixed: dict[str, int] | None = None) -> None:
         self.name, self.module, self.rule = name or "<root>", module, rule
         self.params = params  # attribute name (rule) or relative name (fallback) -> parameter index
+        self.exclusive, self.fixed = exclusive, fixed or {}
+
+    def describe(self) -> str:
+        return f"layer {self.name!r} ({type(self.module).__name__})"
 
 
 def slots(module: nn.Module, index: dict[int, int]) -> dict[str, int]:
@@ -34,14 +43,21 @@ def slots(module: nn.Module, index: dict[int, int]) -> dict[str, int]:
             for n, p in sub._parameters.items() if p is not None and id(p) in index}
 
 
+def attributable(unit: Unit, rows: int, b: int) -> bool:
+    """Whether a rule unit fed ``rows`` rows can attribute them to ``b`` examples: one row per example, one row
+    shared by all (broadcast), or a token-wise layer fed B*k rows (tokens flattened, as OPT's MLP does), regrouped
+    as [B, k, ...], i.e. example-major, the layout of a flattened batch-first tensor. ``PerExampleEngine.verify``
+    (run by every PrivateStep before its first release) routes a layer fed other rows, or whose rows are laid
+    out otherwise, through ``torch.func`` (``routing.py``)."""
+    return rows in (b, 1) or (unit.rule in TOKENWISE and rows % b == 0)
+
+
 def _check_example_major(unit: Unit, x: torch.Tensor, b: int) -> None:
-    """A token-wise layer fed B*k rows (tokens flattened, as OPT's MLP does) is regrouped as [B, k, ...],
-    i.e. example-major, the layout of a flattened batch-first tensor. ``PerExampleEngine.verify`` (run by
-    every DPOptimizer before its first release) catches a model whose rows are laid out otherwise."""
-    if unit.rule not in TOKENWISE or x.shape[0] % b:
-        raise ValueError(f"layer {unit.name!r} ({type(unit.module).__name__}) received {x.shape[0]} rows for a "
-                         f"batch of {b} examples and they cannot be attributed to examples; keep the batch as "
-                         "dimension 0 of every layer's input")
+    if not attributable(unit, x.shape[0], b):
+        raise ValueError(f"{unit.describe()} received {x.shape[0]} rows for a batch of {b} examples and they "
+                         "cannot be attributed to examples; verify the engine on a batch first "
+                         "(PerExampleEngine.verify), which takes such a layer per example with torch.func, or "
+                         "keep the batch as dimension 0 of every layer's input")
 
 
 class Recording:
@@ -57,11 +73,14 @@ class Recording:
         self.engine, self.b, self.detached, self.coefficient, self.sink = engine, b, detached, coefficient, sink
         self.sink_used = False
         self.terms: list[list[tuple[float, Capture]]] = [[] for _ in engine.params]
-        self.calls: list[tuple[Unit, tuple, dict, list[torch.Tensor], list[torch.Tensor | None]]] = []
+        # torch.func units' calls: their detached inputs and their outputs' gradients (not the outputs: the autograd
+        # graph holds the hooks, which hold this recording, a cycle the garbage collector cannot see through)
+        self.calls: list[tuple[Unit, tuple, dict, list[torch.Tensor | None]]] = []
         self.inside = 0  # fallback forwards running: torch.func recomputes every call made within them
         self.handles = [u.module.register_forward_hook(self._rule_hook(u) if u.rule else self._fallback_hook(u),
                                                        with_kwargs=True) for u in engine.units]
-        self.handles += [u.module.register_forward_pre_hook(self._enter) for u in engine.units if u.rule is None]
+        self.handles += [u.module.register_forward_pre_hook(self._enter) for u in engine.units
+                         if u.rule is None and u.exclusive]
 
     def remove(self) -> None:
         for h in self.handles:
@@ -115,7 +134,7 @@ class Recording:
         b = self.b
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
-            self.inside -= 1
+            self.inside -= unit.exclusive
             if self.inside:
                 return None
             leaves, spec = tree_flatten(out)
@@ -132,7 +151,7 @@ class Recording:
 
                 leaves[i].register_hook(store)
             args, kwargs = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, (args, kwargs))
-            self.calls.append((unit, args, kwargs, [leaves[i] for i in floats], grads))
+            self.calls.append((unit, args, kwargs, grads))
             return tree_unflatten(leaves, spec)
 
         return hook
@@ -140,21 +159,24 @@ class Recording:
     def gradients(self, losses: torch.Tensor | None) -> PerExampleGradients:
         """The recorded per-example gradients, once the backward has run."""
         b, engine = self.b, self.engine
-        for unit, args, kwargs, outs, grads in self.calls:
+        for unit, args, kwargs, grads in self.calls:
             cot = {k: g for k, g in enumerate(grads) if g is not None}  # the outputs the loss depends on
             for k, g in cot.items():
                 if g.dim() == 0 or g.shape[0] != b:
                     raise ValueError(
-                        f"layer {unit.name!r} ({type(unit.module).__name__}) is differentiated per example with "
-                        f"torch.func, and its output {k} has shape {tuple(g.shape)}, whose dimension 0 is not the "
-                        f"batch of {b} examples, so it cannot be attributed to examples; keep the batch as "
-                        "dimension 0 of its inputs and outputs (batch_first=True), or use mode='vmap'")
+                        f"{unit.describe()} is differentiated per example with torch.func, and its output {k} has "
+                        f"shape {tuple(g.shape)}, whose dimension 0 is not the batch of {b} examples, so it cannot "
+                        "be attributed to examples; verify the engine on a batch first (PerExampleEngine.verify), "
+                        "which takes it over a module around it that is batch-first, or keep the batch as "
+                        "dimension 0 of its inputs and outputs (batch_first=True)")
             if not cot:
                 continue
             sub = {n: self.detached[i] for n, i in unit.params.items()}
+            fixed = {n: self.detached[i] for n, i in unit.fixed.items()}
             with engine.autocast():
-                per_example = module_gradients(unit.module, sub, args, kwargs, cot, b)
+                per_example = module_gradients(unit.module, sub, args, kwargs, cot, b, fixed)
             for n, i in unit.params.items():
-                self.terms[i].append((self.coefficient, Dense(per_example[n], engine.params[i].shape)))
+                cap = Dense(per_example[n], engine.params[i].shape)
+                self.terms[i].append((self.coefficient, engine._project(i, cap)))
         return PerExampleGradients(engine, b, self.terms, losses)
 

@@ -128,6 +128,10 @@ RULES_BY_NAME: dict[str, Rule] = {"transformers.pytorch_utils.Conv1D": _transpos
 # regrouped as [B, k, ...] for them.
 TOKENWISE: set[Rule] = {_linear, _embedding, _layer_norm, _rms_norm, _transposed_linear}
 
+# Rules registered by users (``register_rule``): a layer of theirs that fails the attribution check is refused,
+# naming it, rather than taken with torch.func (``routing.py``), so that a wrong rule is fixed, not bypassed.
+REGISTERED: set[Rule] = set()
+
 
 def register_rule(layer: type[nn.Module], tokenwise: bool = False) -> Callable[[Rule], Rule]:
     """Decorator: ``rule(module, x, g, wanted) -> {parameter name: Capture}`` computes the per-example
@@ -139,6 +143,7 @@ def register_rule(layer: type[nn.Module], tokenwise: bool = False) -> Callable[[
 
     def register(rule: Rule) -> Rule:
         RULES[layer] = rule
+        REGISTERED.add(rule)
         if tokenwise:
             TOKENWISE.add(rule)
         return rule

@@ -1,18 +1,19 @@
-"""What is checked before the first release: that no module mixes the examples of a batch, that no parameter
-is used where the hooks cannot see it, and that the engine's per-example gradients match one backward per
-example. Any failure refuses DP training: per-example clipping would not bound an example's influence."""
+"""What is checked before the first release: that no module mixes the examples of a batch, and that the engine's
+per-example gradients match one backward per example, once the layers hooks cannot attribute (a parameter used
+where no hook sees it, rows that are not examples) are routed to torch.func (``routing.py``). Any failure
+refuses DP training: per-example clipping would not bound an example's influence."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dpopt.device import rng_state, set_rng_state
 from dpopt.grad.batch import LossFn, batch_size_of
+from dpopt.grad.routing import Planner, Probe, UnattributableError
 
 if TYPE_CHECKING:
     from dpopt.grad.engine import PerExampleEngine
@@ -37,11 +38,13 @@ def check_no_mixing(model: nn.Module) -> None:
                 "(dpopt.models.freeze_batchnorm(model)).")
 
 def check_attribution(engine: PerExampleEngine, batch: Any, examples: int = 3, rtol: float = 1e-3) -> None:
-    """Refuse a model or loss that mixes examples (``check_per_example``) or uses a parameter where no
-    hook sees it (``check_uses``), then compare the engine's per-example gradients on the first
-    ``examples`` (at least 3) examples of ``batch`` with one autograd backward per example (in eval mode,
-    so dropout cannot differ). A mismatch means some layer's gradient was attributed to the wrong
-    example, which would void the clipping bound. Reads the batch, releases nothing."""
+    """Refuse a model or loss that mixes examples (``check_per_example``), then compare the engine's per-example
+    gradients on the first ``examples`` (at least 3) examples of ``batch`` with one autograd backward per example
+    (in eval mode, so dropout cannot differ). A mismatch means some layer's gradient was attributed to the wrong
+    example, which would void the clipping bound. In hooks mode, the layers hooks cannot attribute (found by a
+    probe forward, or by a mismatch) are routed to torch.func over a batch-first module around them first
+    (``routing.py``, one log line), and refused only where no such module exists. Reads the batch, releases
+    nothing."""
     size = batch_size_of(batch)
     if not 3 <= examples <= size:
         raise ValueError(f"attribution is verified on at least 3 examples, and the batch holds {size} "
@@ -55,67 +58,55 @@ def check_attribution(engine: PerExampleEngine, batch: Any, examples: int = 3, r
     engine.projection = None  # attribution is checked on the unprojected gradients, in full precision
     engine.precision = "fp32"
     try:
-        if engine.mode == "hooks":
-            check_uses(engine, pick(slice(0, examples)))
-        got = engine.gradients(pick(slice(0, examples))).materialize()
-        for i in range(examples):
-            grads = torch.autograd.grad(engine.loss_fn(engine.model, pick(slice(i, i + 1))).sum(), engine.params,
-                                        allow_unused=True)
-            ref = [torch.zeros_like(p) if g is None else g for p, g in zip(engine.params, grads)]
-            if not all(torch.isfinite(r).all() for r in ref):  # non-finite: the clip stage gives it weight 0
-                continue
-            total = float(torch.cat([r.flatten() for r in ref]).norm())
-            errors = [float((g[i] - r).norm()) for g, r in zip(got, ref)]
-            if not sum(e * e for e in errors) ** 0.5 <= rtol * total + 1e-6:
-                j = max(range(len(errors)), key=errors.__getitem__)
-                raise ExampleMixingError(
-                    f"the per-example gradients of {engine._layers(j)} do not match single-example backward "
-                    f"passes (parameter {engine.names[j]!r}, relative error {errors[j] / max(total, 1e-12):.2e}): "
-                    "this layer's batch dimension is not dimension 0 of its input (sequence-first inputs, "
-                    "rows in sequence-major order, a table shared by the batch such as wpe(torch.arange(T)) "
-                    "or a [1, T, d] buffer), so its gradient cannot be attributed to examples. Keep every "
-                    "layer's batch dimension first, or use mode='vmap'.")
+        planner = Planner(engine, Probe(engine, pick(slice(0, examples)))) if engine.mode == "hooks" else None
+        while (wrong := _mismatches(engine, pick, examples, rtol)) is not None:
+            params, reason = wrong
+            if planner is None:
+                raise ExampleMixingError(f"{reason}: this layer's batch dimension is not dimension 0 of its input, "
+                                         "so its gradient cannot be attributed to examples. Keep every layer's "
+                                         "batch dimension first.")
+            planner.escalate(params, reason)
+        if planner is not None:
+            planner.report()
+    except UnattributableError as e:
+        raise ExampleMixingError(str(e)) from None
     finally:
         engine.model.train(was_training)
         engine.projection, engine.precision = projection, precision
 
-@torch.no_grad()
-def check_uses(engine: PerExampleEngine, batch: Any) -> None:
-    """Refuse a parameter that an operation uses outside the forward of every layer capturing it (weight
-    tying written as ``F.linear(h, engine.emb.weight)``): the hooks would miss that use of it."""
-    owners = {id(p): {id(u.module) for u in engine.units if i in u.params.values()}
-              for i, p in enumerate(engine.params)}
-    running: list[tuple[str, nn.Module]] = []
 
-    class Uses(TorchFunctionMode):
-        def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-            out = func(*args, **(kwargs or {}))
-            if any(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]):
-                for t in tree_flatten((args, kwargs))[0]:
-                    mods = owners.get(id(t))
-                    if mods is not None and not any(id(m) in mods for _, m in running):
-                        j = engine._index[id(t)]
-                        user = (f"layer {running[-1][0] or '<root>'!r} ({type(running[-1][1]).__name__})"
-                                if running else "the loss function")
-                        raise ExampleMixingError(
-                            f"{user} uses parameter {engine.names[j]!r} of {engine._layers(j)} outside that "
-                            "layer's forward, where the engine's hooks cannot see it (weight tying written as "
-                            "F.linear(h, engine.emb.weight), say). Share the parameter with a layer instead "
-                            "(head.weight = emb.weight, then call head), or use mode='vmap'.")
-            return out
-
-    def leave(*_: Any) -> None:
-        running.pop()
-
-    handles = [h for name, m in engine.model.named_modules()
-               for h in (m.register_forward_pre_hook(lambda m, a, name=name: running.append((name, m))),
-                         m.register_forward_hook(leave))]
+def _mismatches(engine: PerExampleEngine, pick: Callable[[slice], Any], examples: int,
+                rtol: float) -> tuple[set[int], str] | None:
+    """The parameters whose per-example gradients differ from single-example backward passes, and the worst
+    difference in words; None if they match."""
     try:
-        with Uses():
-            engine.loss_fn(engine.model, batch)
-    finally:
-        for h in handles:
-            h.remove()
+        got = engine.gradients(pick(slice(0, examples))).materialize()
+    except (RuntimeError, ValueError) as e:  # the torch.func route cannot run this model per example
+        if not engine.routes:
+            raise
+        routes = ", ".join(repr(name or "<root>") for name in engine.routes)
+        raise ExampleMixingError(
+            f"hooks cannot attribute some layers' gradients to examples, and torch.func could not take them per "
+            f"example over {routes} ({type(e).__name__}: {e}): some operation there mixes rows of different "
+            "examples. Keep the batch as dimension 0 of every layer's input and output.") from e
+    wrong: set[int] = set()
+    reason = ""
+    for i in range(examples):
+        grads = torch.autograd.grad(engine.loss_fn(engine.model, pick(slice(i, i + 1))).sum(), engine.params,
+                                    allow_unused=True)
+        ref = [torch.zeros_like(p) if g is None else g for p, g in zip(engine.params, grads)]
+        if not all(torch.isfinite(r).all() for r in ref):  # non-finite: the clip stage gives it weight 0
+            continue
+        total = float(torch.cat([r.flatten() for r in ref]).norm())
+        errors = [float((g[i] - r).norm()) for g, r in zip(got, ref)]
+        if sum(e * e for e in errors) ** 0.5 <= rtol * total + 1e-6:
+            continue
+        j = max(range(len(errors)), key=errors.__getitem__)
+        wrong |= {k for k, (e, r) in enumerate(zip(errors, ref)) if e > rtol * float(r.norm()) + 1e-6} | {j}
+        reason = reason or (f"the per-example gradients of {engine._layers(j)} did not match single-example "
+                            f"backward passes (parameter {engine.names[j]!r}, relative error "
+                            f"{errors[j] / max(total, 1e-12):.2e})")
+    return (wrong, reason) if wrong else None
 
 
 @torch.no_grad()

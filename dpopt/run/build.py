@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from dpopt.algorithms import DPOptimizer, build_algorithm
+from dpopt.algorithms import PrivateStep, build_algorithm
 from dpopt.data.datasets import DATASET_MODEL, Dataset, load_dataset
 from dpopt.data.samplers import take
 from dpopt.device import resolve_device, to_device
@@ -32,7 +32,7 @@ class Run:
     config: TrainConfig
     data: Dataset
     model: nn.Module
-    optimizer: DPOptimizer
+    optimizer: PrivateStep
     sampler: Any
     ledger: PrivacyLedger
     total_steps: int
