@@ -61,6 +61,23 @@ def zoo_loss(model, batch):
     return F.cross_entropy(model((tokens, image)), y, reduction="none")
 
 
+class Tokens(nn.Module):
+    """An embedding, a Linear layer over the tokens (ghost-normed: its norms may cancel) and a head."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.emb, self.lin, self.head = nn.Embedding(11, width), nn.Linear(width, width), nn.Linear(width, 3)
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.lin(self.emb(tokens))).mean(1))
+
+
+def weighted_loss(model, batch):
+    """s_i * cross-entropy for a batch (tokens, labels, s, ...): a per-example scale in the data (a two-point
+    statistic's second point may scale it)."""
+    return batch[2] * F.cross_entropy(model(batch[0]), batch[1], reduction="none")
+
+
 def quiet(_: str) -> None:
     """A run's log that prints nothing."""
 

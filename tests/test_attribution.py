@@ -4,7 +4,6 @@ distinct examples, whatever the size of the first sampled batch."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dpopt.algorithms import SGD, Privatizer, build_algorithm
@@ -15,63 +14,7 @@ from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.rng import SecretStream
 from dpopt.privacy import PrivacyLedger
 from helpers import mlp_loss
-
-D, V = 4, 7
-
-
-class Positions(nn.Module):
-    """nanoGPT: a position table looked up with torch.arange(T), shared by the batch."""
-
-    def __init__(self, t: int) -> None:
-        super().__init__()
-        self.wte, self.wpe, self.head = nn.Embedding(V, D), nn.Embedding(t, D), nn.Linear(D, 2)
-
-    def forward(self, ids):
-        return self.head(torch.tanh(self.wte(ids) + self.wpe(torch.arange(ids.shape[1])))).mean(1)
-
-
-class SequenceFirst(nn.Module):
-    """``layer`` on [T, B, d]; ``rows``: a Linear on [T*B, d] rows in sequence-major order instead."""
-
-    def __init__(self, layer: str) -> None:
-        super().__init__()
-        self.layer = layer
-        self.seq = {"linear": nn.Linear(D, D), "rows": nn.Linear(D, D), "attention": nn.MultiheadAttention(D, 2),
-                    "lstm": nn.LSTM(D, D)}[layer]
-        self.head = nn.Linear(D, 2)
-
-    def forward(self, x):
-        h = x.transpose(0, 1)
-        if self.layer == "rows":
-            h = self.seq(h.reshape(-1, D)).reshape(h.shape)
-        elif self.layer == "attention":
-            h = self.seq(h, h, h)[0]
-        else:
-            h = self.seq(h)[0] if self.layer == "lstm" else self.seq(h)
-        return self.head(torch.tanh(h).mean(0))
-
-
-class SharedBuffer(nn.Module):
-    """A Linear fed a [1, T, d] buffer, of whose output [0] is added to every example."""
-
-    def __init__(self, t: int) -> None:
-        super().__init__()
-        self.pos, self.head = nn.Linear(D, D), nn.Linear(D, 2)
-        self.register_buffer("table", torch.randn(1, t, D))
-
-    def forward(self, x):
-        return self.head(torch.tanh(x + self.pos(self.table)[0])).mean(1)
-
-
-class HandTied(nn.Module):
-    """Weight tying written by hand: the embedding table used through F.linear by a parameterless parent."""
-
-    def __init__(self, t: int) -> None:
-        super().__init__()
-        self.emb, self.lin = nn.Embedding(V, D), nn.Linear(D, D)
-
-    def forward(self, ids):
-        return F.linear(torch.tanh(self.lin(self.emb(ids))), self.emb.weight).mean(1)[:, :2]
+from test_shared_layouts import D, V, HandTied, Positions, SequenceFirst, SharedBuffer
 
 
 class Scaled(nn.Module):

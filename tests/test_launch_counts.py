@@ -25,6 +25,7 @@ from dpopt.grad.engine import PerExampleEngine
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.rng import SecretStream
 from dpopt.privacy import PrivacyLedger
+from helpers import Tokens, weighted_loss
 
 # dpopt's launching operations per step, at most: each bound is the measured count (docs/performance.md).
 LAUNCH_BOUNDS = {
@@ -97,24 +98,6 @@ def test_cnn_launches_do_not_depend_on_the_batch_size():
     assert len(set(counts.values())) == 1, counts
 
 
-class Tokens(nn.Module):
-    """An embedding, a Linear layer over the tokens (ghost-normed: its norms may cancel) and a head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(11, 8)
-        self.lin = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, tokens):
-        return self.head(torch.tanh(self.lin(self.emb(tokens))).mean(1))
-
-
-def _weighted_loss(model, batch):
-    """s_i * cross-entropy, s the batch's third tensor (a two-point statistic scales it at one point)."""
-    return batch[2] * F.cross_entropy(model(batch[0]), batch[1], reduction="none")
-
-
 def _two_point(engine, batch):
     """43 g(s') - 42 g(s), s' the batch's fourth tensor: an example with s' = 42/43 s cancels."""
     tokens, y, s, shifted = batch
@@ -133,7 +116,7 @@ def _traces(statistic) -> tuple[list[list[launches.Op]], list[int]]:
     tokens[2 * n + 3] = 7
     shifted[3 * n + 2] = 42 / 43
     with launches.accelerator_settings():
-        engine = PerExampleEngine(Tokens(), _weighted_loss, strategy="ghost")
+        engine = PerExampleEngine(Tokens(), weighted_loss, strategy="ghost")
         privatizer = Privatizer(Clipping(0.1), GaussianNoise(1.0, 0.1, SecretStream(1, "noise")),
                                 FixedOrderSampler(4 * n, n, SecretStream(2, "sampling")), PrivacyLedger())
         opt = PrivateStep(engine, privatizer, torch.optim.SGD(engine.params, lr=0.1), statistic=statistic,

@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dpopt.algorithms.base import PrivateStep, Privatizer
@@ -17,7 +16,7 @@ from dpopt.grad.engine import PerExampleEngine
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.noise.rng import SecretStream
 from dpopt.privacy import PrivacyLedger
-from helpers import Zoo, zoo_batch, zoo_loss
+from helpers import Tokens, Zoo, weighted_loss, zoo_batch, zoo_loss
 from test_host_syncs import counting_syncs
 
 B = 8
@@ -106,30 +105,13 @@ def test_the_step_is_per_example_clipping_by_hand(mode, physical, strategy):
         assert torch.allclose(p.detach(), p0 - w / B, rtol=1e-9, atol=1e-12)
 
 
-class Tokens(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(11, 6)
-        self.lin = nn.Linear(6, 6)
-        self.head = nn.Linear(6, 3)
-
-    def forward(self, tokens):
-        return self.head(torch.tanh(self.lin(self.emb(tokens))).mean(1))
-
-
-def weighted_loss(model, batch):
-    """s_i * cross-entropy: a per-example scale in the data (a two-point statistic's second point may scale it)."""
-    tokens, y, s = batch
-    return s * F.cross_entropy(model(tokens), y, reduction="none")
-
-
 @pytest.mark.parametrize("cancel", [False, True])
 def test_a_cancelling_two_point_example_is_recomputed_exactly(cancel):
     """43 g(s') - 42 g(s) with s'_2 = 42/43 s_2: example 2's combination is zero while its steps are not, its ghost
     norm cancels (the difference form's steps l (x) r and -l (x) r): after its one read the clip stage reads which
     examples to recompute, then their weighing (three reads); the clipped sum is the hand-clipped one either way."""
     torch.manual_seed(0)
-    model = Tokens().double()
+    model = Tokens(6).double()
     engine = PerExampleEngine(model, weighted_loss, strategy="ghost")
     tokens, y, s = torch.randint(0, 11, (B, 5)), torch.randint(0, 3, (B,)), torch.ones(B, dtype=torch.float64)
     shifted = s.clone()
