@@ -32,6 +32,7 @@ from dpopt.noise.mechanisms import NOISES, TREE_DECODERS, WORKLOADS
 from dpopt.privacy import (AccountingError, CyclicPoissonSampling, FixedParticipation, GaussianRelease, PoissonSampling,
                            Relation, epsilon_of, noise_multiplier_for)
 from dpopt.report import CURVES, LOG, TENSORBOARD
+from dpopt.schedules import SCHEDULES
 from dpopt.run import CALIBRATIONS, MODEL_DIR, TrainConfig, extended, resume, saved_steps_per_epoch, train
 
 DEFAULT_EPSILON = 2.0
@@ -197,6 +198,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tree-decoder", choices=TREE_DECODERS,
                    help="--noise tree: sum (dyadic decomposition) or least-squares (default: sum; "
                         + ", ".join(f"{v} for {a}" for a, v in sorted(DEFAULT_TREE_DECODER.items())) + ")")
+    p.add_argument("--lr-schedule", default=d.lr_schedule, choices=SCHEDULES,
+                   help="the learning rate over the run, after the warm-up: constant, cosine (annealed to 0) or "
+                        "linear (decayed to 0); a run with a schedule cannot be extended")
+    p.add_argument("--warmup", type=float, default=d.warmup, metavar="FRACTION_OR_STEPS",
+                   help="linear warm-up of the learning rate: a fraction of the run's steps if below 1, else steps")
     p.add_argument("--accountant", default=d.accountant, choices=["pld", "rdp"])
     p.add_argument("--relation", default=d.relation, choices=[r.value for r in Relation])
     p.add_argument("--per-example", default=d.per_example, choices=MODES,

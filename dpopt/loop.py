@@ -32,6 +32,7 @@ evaluate ``loss_fn`` on the physical batch, at the points it chooses; any recipe
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable, Iterator
 
@@ -49,6 +50,7 @@ from dpopt.grad.engine import PerExampleEngine
 from dpopt.names import renamed
 from dpopt.noise.rng import SecretStream, secret_key
 from dpopt.plan import PrivacyPlan
+from dpopt.schedules import Schedule
 from dpopt.privacy import PrivacyLedger, privacy_statement
 
 _log = logging.getLogger("dpopt")  # what the plan chose (a cyclic period, a calibrated noise multiplier)
@@ -213,7 +215,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | None, data
                  loss_reduction: str = "mean", noise: str = "auto", sampling: str = "auto", bands: int = 0,
                  workload: str = "ones", tree_decoder: str | None = None, accountant: str = "pld",
                  relation: str = "add-remove", secret_seed: int | bytes | None = None,
-                 hyperparameters: Hyperparameters | dict[str, Any] | None = None,
+                 hyperparameters: Hyperparameters | dict[str, Any] | None = None, lr_schedule: str = "constant",
+                 warmup: float = 0.0,
                  collate_fn: Callable[[list], Any] = default_collate) -> tuple[nn.Module, PrivateOptimizer,
                                                                                PrivateBatches]:
     """The model, a ``PrivateOptimizer`` and the ``PrivateBatches`` of one epoch, for ``epochs`` epochs of
@@ -222,7 +225,9 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | None, data
     iid Gaussian noise, and that optimizer's update); or None and ``algorithm``, a recipe's name, with its tuned
     defaults and ``hyperparameters`` on top (its family's config, or a dict of its fields), whose mechanism is the
     one ``dpopt train`` runs under that name (``PrivacyPlan``). ``noise``, ``sampling``, ``bands``, ``workload``
-    and ``tree_decoder`` shape the mechanism as ``dpopt train``'s flags of the same names.
+    and ``tree_decoder`` shape the mechanism as ``dpopt train``'s flags of the same names. ``lr_schedule`` and
+    ``warmup`` schedule a recipe's learning rate over the run (``dpopt.schedules``); attach a
+    ``torch.optim.lr_scheduler`` to a torch optimizer, or to the returned one, instead.
     ``loss_fn(model, batch) -> [B]`` is the per-example loss the loop averages (``loss_reduction="mean"``) or
     sums (``"sum"``) before its backward; the attribution check runs it. A
     closure given to ``optimizer.step`` returns the per-example losses [B] whatever ``loss_reduction``.
@@ -233,6 +238,10 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | None, data
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
     hyperparameters = _recipe(optimizer, algorithm, hyperparameters)
+    schedule = Schedule(lr_schedule, warmup)
+    if optimizer is not None and not schedule.is_constant:
+        raise ValueError("lr_schedule and warmup schedule a recipe's (algorithm=) learning rate; attach a "
+                         "torch.optim.lr_scheduler to your torch optimizer instead")
     data, n = _indexable(data, collate_fn)
     engine = PerExampleEngine(model, loss_fn)
     key = secret_key(secret_seed)
@@ -241,8 +250,11 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | None, data
                        hyperparameters=hyperparameters).resolved(_log.info)
     privatizer = plan.make(key, _log.info)
     if optimizer is None:
-        hp = plan.hyperparameters.for_run(plan.total_steps(privatizer.sampler))
-        dp = build_algorithm(plan.algorithm, engine, privatizer, hp)
+        total = plan.total_steps(privatizer.sampler)
+        dp = build_algorithm(plan.algorithm, engine, privatizer, plan.hyperparameters.for_run(total))
+        if not schedule.is_constant:
+            schedule.warmup_steps(total)  # refuses a warm-up as long as the run
+            dp.schedule = functools.partial(schedule.factor, steps=total)
     else:
         _check_optimizer(optimizer, engine)
         dp = PrivateStep(engine, privatizer, optimizer)

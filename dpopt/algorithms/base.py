@@ -135,6 +135,8 @@ class PrivateStep:
         self._statistic = statistic
         self._shapes = None if shapes is None else list(shapes)
         self.steps = 0
+        self.schedule: Callable[[int], float] | None = None  # the learning rate's factor at a step (schedules.py)
+        self._initial_lr: float | None = None
         self.verified = not verify
         self.physical_batch_size = physical_batch_size
 
@@ -233,13 +235,27 @@ class PrivateStep:
         return g
 
     def apply(self, g: list[torch.Tensor]) -> None:
-        """Stage 6: the base update with the released, post-processed statistic ``g``; the step is over."""
+        """Stage 6: the base update with the released, post-processed statistic ``g``, at the schedule's learning
+        rate; the step is over."""
+        if self.schedule is not None:
+            self.scale_lr(self.schedule(self.steps))
         for t in self.transforms:
             t.before_update(self.params)
         self.update(g)
         for t in self.transforms:
             t.after_update(self.params)
         self.steps += 1
+
+    def scale_lr(self, factor: float) -> None:
+        """Set the base update's learning rate to ``factor`` times its initial one (kept as a torch optimizer's
+        groups keep it, in ``initial_lr``, so that a checkpoint holds it)."""
+        if isinstance(self.base, torch.optim.Optimizer):
+            for group in self.base.param_groups:
+                group["lr"] = group.setdefault("initial_lr", group["lr"]) * factor
+            return
+        if self._initial_lr is None:
+            self._initial_lr = self.base.lr
+        self.base.lr = self._initial_lr * factor
 
     def update(self, grads: list[torch.Tensor]) -> None:
         """The base update: a torch optimizer reads the gradients from ``.grad``; any other base (e.g. a

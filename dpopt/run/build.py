@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import warnings
 from dataclasses import dataclass
@@ -85,6 +86,9 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel:
     if physical > n:
         raise ValueError(f"the physical batch size ({physical}) exceeds the {n} training examples")
     optimizer = build_algorithm(config.algorithm, engine, privatizer, config.hyperparameters, physical)
+    if not config.schedule.is_constant:
+        config.schedule.warmup_steps(total)  # refuses a warm-up as long as the run
+        optimizer.schedule = functools.partial(config.schedule.factor, steps=total)
     return Run(config, data, model, optimizer, sampler, ledger, total, key)
 
 

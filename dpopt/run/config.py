@@ -22,6 +22,7 @@ from dpopt.noise.mechanisms import NOISES
 from dpopt.plan import PrivacyPlan
 from dpopt.privacy import Relation, check_budget
 from dpopt.privacy.ledger import ACCOUNTANTS
+from dpopt.schedules import Schedule
 
 
 CALIBRATIONS = ("accountant", "advanced-composition")
@@ -67,6 +68,8 @@ class TrainConfig:
     trainable: str | None = None  # regular expression: train only the parameters whose names it matches (None:
     # the model's default, MODEL_TRAINABLE, set at construction; every weight where it has none)
     calibration: str = "accountant"  # or "advanced-composition" (DPZero Lemma 2.2: loose, for faithful reproductions)
+    lr_schedule: str = "constant"  # or cosine, linear (dpopt.schedules), after a linear warm-up of ``warmup``
+    warmup: float = 0.0  # a fraction of the run's steps if below 1, else a number of steps
     hyperparameters: Hyperparameters | None = None  # None: the algorithm's defaults (hyperparameters_for)
 
     def __post_init__(self) -> None:
@@ -118,6 +121,7 @@ class TrainConfig:
                              f"got {self.checkpoint_every}")
         Relation(self.relation)
         Clipping(self.clip, self.clipping)
+        Schedule(self.lr_schedule, self.warmup)  # an unknown schedule or a negative warm-up
         autocast_dtype(self.precision, resolve_device(self.device))
         if self.calibration not in CALIBRATIONS:
             raise ValueError(f"unknown calibration {self.calibration!r}; choose one of {', '.join(CALIBRATIONS)}")
@@ -146,6 +150,10 @@ class TrainConfig:
                            workload=self.workload, tree_decoder=self.tree_decoder, accountant=self.accountant,
                            relation=self.relation, calibration=self.calibration,
                            calibration_epochs=self.calibration_epochs, hyperparameters=self.hyperparameters)
+
+    @property
+    def schedule(self) -> Schedule:
+        return Schedule(self.lr_schedule, self.warmup)
 
     @property
     def randomness(self) -> str:

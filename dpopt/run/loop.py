@@ -146,6 +146,9 @@ def extended(config: TrainConfig, epochs: int | None, steps_per_epoch: int) -> T
     if epochs < config.epochs:
         raise ValueError(f"--epochs {epochs} is below the run's {config.epochs}: a resumed run can be extended, "
                          "not shortened")
+    if not config.schedule.is_constant:
+        raise ValueError(f"a run with a learning-rate schedule ({config.lr_schedule}, warm-up {config.warmup}) is "
+                         f"set by its {config.epochs} epochs and cannot be extended; start a new run")
     if config.algorithm not in NON_PRIVATE and config.noise_kind != "gaussian":
         kind = mechanism(config, config.epochs * steps_per_epoch)
         raise ValueError(f"{kind} noise is built for the run's {config.epochs} epochs and cannot be "
