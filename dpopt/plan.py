@@ -169,19 +169,21 @@ class PrivacyPlan:
     def resolved(self, log: Callable[[str], None] = print) -> "PrivacyPlan":
         """The plan with every choice it makes from the target written down: cyclic sampling's period (the
         noise's bands), the least noise on the workload at the epsilon, unless ``bands`` gives it. At a noise
-        multiplier, the epsilon is the one DP-SGD's Poisson sampling reaches with it on the same batches."""
+        multiplier, the epsilon is the one DP-SGD's Poisson sampling reaches with it on the same batches, by RDP (fast at
+        any scale; the run's ledger accounts whichever period this chooses)."""
         if self.sampling_kind != "cyclic" or self.bands or self.algorithm in NON_PRIVATE:
             return self
         steps = self.steps or math.ceil(self.epochs * max(1, round(self.dataset_size / self.batch_size)))
-        epsilon = self.epsilon
-        if epsilon is None:
+        epsilon, accountant = self.epsilon, self.accountant
+        if epsilon is None:  # the period is a utility choice (the ledger accounts any): RDP's is fast at any scale
+            accountant = "rdp" if Relation(self.relation) is Relation.ADD_REMOVE else self.accountant
             rate = min(1.0, self.batch_size / self.dataset_size)
             epsilon = epsilon_of([GaussianRelease(self.noise_multiplier, PoissonSampling(rate), steps)], self.delta,
-                                 self.accountant, self.relation)
+                                 accountant, self.relation)
         rates = workload_rates(self) if mechanism(self, steps) != "sqrt" else (0.0, 0.0)
         workload = fz.workload_coefficients(steps, *rates)
         period = amplified_bands(epsilon, self.delta, self.dataset_size, self.batch_size, steps, workload,
-                                 self.accountant, self.relation)
+                                 accountant, self.relation)
         log(f"cyclic sampling: period {period} " + ("(plain Poisson sampling, iid noise)" if period == 1 else
                                                     "(groups taken in turn, and the noise's bands)")
             + f", the least noise on the workload at epsilon {epsilon:.4g}"
