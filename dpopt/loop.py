@@ -79,7 +79,11 @@ class PrivateOptimizer(torch.optim.Optimizer):
         return self.dp.privatizer.ledger
 
     def epsilon(self, delta: float | None = None) -> float:
-        """The epsilon spent so far, at ``delta`` (None: the run's)."""
+        """The epsilon spent so far.
+
+        :param delta: the delta to state it at (None: the run's).
+        :returns: the ledger's epsilon over every release made so far.
+        """
         return self.ledger.epsilon(self.delta if delta is None else delta)
 
     def _set_lr(self) -> None:
@@ -102,10 +106,16 @@ class PrivateOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
         """Add the physical batch's clipped sum to its logical batch's; after the last one, release once and
-        update. Without ``closure``, the per-example gradients recorded during the caller's backward; with it,
-        the recipe's statistic, which calls ``closure()`` (the batch's per-example losses [B] at the model's
-        current parameters, computed by calling the model; no backward) as often and at whatever points it
-        needs. Returns the per-example losses the statistic saw (not private: for display), else None."""
+        update.
+
+        :param closure: None after the caller's backward (its recorded per-example gradients are clipped); or a
+            function returning the batch's per-example losses [B] at the model's current parameters (calling the
+            model, no backward), which a recipe that evaluates the loss several times per step (DiSK, SRG,
+            zeroth-order) calls as often and at whatever points it needs.
+        :returns: the per-example losses the statistic saw (not private: for display), or None.
+        :raises RuntimeError: without a batch from the returned batches, without a backward (or a closure where
+            the recipe needs one), or when nothing was recorded.
+        """
         size, recording = self._size, self._recording
         self._size = self._recording = None
         if recording is not None:
@@ -146,7 +156,11 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self.key = load_private_state(self.dp, state)
 
     def statement(self, delta: float | None = None) -> str:
-        """The privacy statement of the releases so far, at ``delta`` (None: the run's)."""
+        """The privacy statement of the releases so far: the guarantee, its cross-check and what it covers.
+
+        :param delta: the delta to state it at (None: the run's).
+        :returns: the statement, as ``dpopt train`` prints it at a run's end.
+        """
         return privacy_statement(self.ledger, self.delta if delta is None else delta,
                                  self.dp.privatizer.sampler.dataset_size,
                                  randomness="secret-seed" if isinstance(self.key, int) else "os-entropy-key")
@@ -219,22 +233,50 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | None, data
                  warmup: float = 0.0,
                  collate_fn: Callable[[list], Any] = default_collate) -> tuple[nn.Module, PrivateOptimizer,
                                                                                PrivateBatches]:
-    """The model, a ``PrivateOptimizer`` and the ``PrivateBatches`` of one epoch, for ``epochs`` epochs of
-    logical batches of expected size ``batch_size`` at (``epsilon``, ``delta``), or at ``noise_multiplier``.
-    ``optimizer``: a torch optimizer over the model's trainable parameters (DP-SGD's mechanism: Poisson batches,
-    iid Gaussian noise, and that optimizer's update); or None and ``algorithm``, a recipe's name, with its tuned
-    defaults and ``hyperparameters`` on top (its family's config, or a dict of its fields), whose mechanism is the
-    one ``dpopt train`` runs under that name (``PrivacyPlan``). ``noise``, ``sampling``, ``bands``, ``workload``
-    and ``tree_decoder`` shape the mechanism as ``dpopt train``'s flags of the same names. ``lr_schedule`` and
-    ``warmup`` schedule a recipe's learning rate over the run (``dpopt.schedules``); attach a
-    ``torch.optim.lr_scheduler`` to a torch optimizer, or to the returned one, instead.
-    ``loss_fn(model, batch) -> [B]`` is the per-example loss the loop averages (``loss_reduction="mean"``) or
-    sums (``"sum"``) before its backward; the attribution check runs it. A
-    closure given to ``optimizer.step`` returns the per-example losses [B] whatever ``loss_reduction``.
-    ``steps``: the number of logical steps the noise is calibrated for, if not ``ceil(epochs * steps per
-    epoch)``. ``collate_fn`` makes a batch of a map-style dataset's examples. The secret key is fresh OS
-    entropy unless ``secret_seed`` is given (replayable noise, for tests and reproductions; or a key a
-    checkpoint kept, to resume)."""
+    """Make a plain PyTorch loop private: the caller keeps its forward, ``loss.backward()`` and
+    ``optimizer.step()``; dpopt samples the batches, clips each example, adds the noise once per logical batch and
+    keeps the ledger. The sampling, noise and calibration are the ``PrivacyPlan`` of the recipe, as in
+    ``dpopt train``.
+
+    :param model: the model; its trainable parameters are the ones trained (freeze the others first).
+    :param optimizer: a torch optimizer over exactly those parameters (DP-SGD's mechanism: Poisson batches, iid
+        Gaussian noise, and that optimizer's update), or None with ``algorithm``.
+    :param data: tensors or a pytree of tensors with the examples on dimension 0, or a map-style dataset.
+    :param loss_fn: ``loss_fn(model, batch) -> [B]``, one loss per example (the attribution check runs it).
+    :param algorithm: a recipe's name (``dpopt.ALGORITHMS``), run with the mechanism ``dpopt train`` runs under it.
+    :param batch_size: the expected logical batch (one release, one ledger entry).
+    :param epochs: the run's length in epochs of logical batches.
+    :param steps: the number of logical steps the noise is calibrated for, if not ``ceil(epochs * steps per
+        epoch)``.
+    :param epsilon: the target epsilon (the noise is calibrated to it); or give ``noise_multiplier``.
+    :param noise_multiplier: the noise's std over the clip bound; the run then reports its epsilon.
+    :param delta: the target delta.
+    :param clip: the per-example clip bound C.
+    :param clipping: ``flat``, ``per-layer`` or ``automatic``.
+    :param physical_batch_size: the most examples per forward and backward (None: the whole logical batch).
+    :param loss_reduction: how the loop reduces the per-example losses before its backward: ``mean`` or ``sum``.
+    :param noise: the noise mechanism (``auto``: the recipe's; ``gaussian``, ``tree``, ``sqrt``, ``banded``, ``mf``).
+    :param sampling: the sampling (``auto``: the recipe's; ``poisson``, ``cyclic``, ``shuffle``, ``fixed``).
+    :param bands: banded noise's bands and cyclic sampling's period (0: chosen by the plan).
+    :param workload: what an optimised factorization targets: ``ones`` (prefix sums) or ``true``.
+    :param tree_decoder: tree noise's decoder (None: the recipe's).
+    :param accountant: ``pld`` or ``rdp``.
+    :param relation: the neighbouring relation: ``add-remove`` or ``replace-one``.
+    :param secret_seed: a key for replayable noise (tests, reproductions) or the one a checkpoint kept; None: a
+        fresh key from OS entropy.
+    :param hyperparameters: the recipe's settings on top of its tuned defaults: its family's config or a dict of
+        its fields.
+    :param lr_schedule: a recipe's learning-rate schedule over the run: ``constant``, ``cosine`` or ``linear``;
+        attach a ``torch.optim.lr_scheduler`` to a torch optimizer instead.
+    :param warmup: a linear warm-up of that learning rate: a fraction of the run if below 1, else steps.
+    :param collate_fn: makes a batch of a map-style dataset's examples.
+    :returns: the model, a ``PrivateOptimizer`` (a ``torch.optim.Optimizer``: ``zero_grad()``, ``step()`` or
+        ``step(closure)``, ``epsilon()``, ``statement()``, ``state_dict()``) and the ``PrivateBatches`` of one epoch.
+    :raises ValueError: for a setting that does not apply or is out of range (the message says which), a torch
+        optimizer that does not hold exactly the trainable parameters, or a model whose per-example gradients
+        cannot be verified on three examples.
+    :raises TypeError: for a recipe's name where the torch optimizer goes (use ``algorithm=``).
+    """
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
     hyperparameters = _recipe(optimizer, algorithm, hyperparameters)

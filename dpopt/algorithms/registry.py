@@ -58,9 +58,16 @@ def applies_to(setting: str) -> list[str]:
 
 
 def hyperparameters_for(name: str, spell: Callable[[str], str] = str, **overrides: Any) -> Hyperparameters:
-    """The hyper-parameters of recipe ``name``: its family's config with the recipe's tuned defaults
-    (``register(defaults=...)``) and ``overrides`` (those not None) on top. A setting outside the family is
-    refused, naming the recipes it applies to (``spell`` writes its name: a flag, for the CLI)."""
+    """The hyper-parameters of a recipe: its family's config with the recipe's tuned defaults and ``overrides``
+    on top. ``hyperparameters_for("dp-grape", rank=8)`` is a ``Projection``.
+
+    :param name: the recipe (``dpopt.ALGORITHMS``).
+    :param spell: how an error writes a setting's name (the CLI: as its flag).
+    :param overrides: settings of the recipe's family; those given as None keep the recipe's defaults.
+    :returns: the recipe's typed config; an lr may still be a ``StepRule`` of the run's length (``for_run``).
+    :raises ValueError: for an unknown recipe, a setting outside its family (naming the recipes it applies to),
+        or a value out of range.
+    """
     check_algorithm(name)
     config = CONFIGS[name]
     given = {k: v for k, v in overrides.items() if v is not None}

@@ -341,6 +341,13 @@ class PrivacyLedger:
         return sum(e.steps for e in self.entries)
 
     def epsilon(self, delta: float, accountant: str | None = None) -> float:
+        """The epsilon of every release recorded so far.
+
+        :param delta: the delta to state it at.
+        :param accountant: ``pld`` or ``rdp`` (None: the ledger's own).
+        :returns: epsilon at ``delta`` of the adaptive composition of the entries.
+        :raises AccountingError: where the accountant has no analysis of an entry (RDP, Poisson, replace-one).
+        """
         kind = accountant or self.accountant
         key = (tuple(self.entries), delta, kind)
         if key not in self._cache:
