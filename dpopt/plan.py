@@ -122,13 +122,37 @@ def check_noise_settings(s: Settings) -> None:
 
 @dataclass(frozen=True)
 class PrivacyPlan:
-    """The privacy of one run, from the recipe, the data size, the expected logical batch, the run's length
-    (``epochs``, or ``steps`` logical steps) and one target: ``epsilon`` (at ``delta``) or ``noise_multiplier``.
-    ``noise`` and ``sampling`` override the recipe's mechanism; ``bands`` (banded noise, the period of cyclic
-    sampling; 0: chosen), ``workload`` (what an optimised factorization targets: ``ones``, prefix sums, or ``true``
-    with the recipe's momentum and decay) and ``tree_decoder`` (None: the recipe's) shape the noise;
-    ``hyperparameters`` are the recipe's (None: its defaults). ``calibration_epochs``: the epochs iid noise was
-    calibrated for, when a resumed run is extended past them."""
+    """The privacy of one run: its sampling, clipping, noise mechanism, calibration and ledger, decided together
+    from the recipe, the data, the run's length and one target. Every entry point builds one; ``make(key)``
+    returns the ``Privatizer`` a step drives::
+
+        plan = PrivacyPlan("dp-memf", dataset_size=60_000, batch_size=512, epochs=5, epsilon=2.0)
+        privatizer = plan.make(secret_key())
+
+    :param algorithm: the recipe, whose mechanism the plan runs unless ``noise`` or ``sampling`` say otherwise.
+    :param dataset_size: the number of training examples.
+    :param batch_size: the expected logical batch.
+    :param epochs: the run's length in epochs.
+    :param steps: the run's length in logical steps, if not ``ceil(epochs * steps per epoch)``.
+    :param epsilon: the target epsilon (the noise is calibrated to it); or give ``noise_multiplier``.
+    :param noise_multiplier: the noise's std over the clip bound.
+    :param delta: the target delta.
+    :param clip: the per-example clip bound.
+    :param clipping: ``flat``, ``per-layer`` or ``automatic``.
+    :param noise: the noise mechanism (``auto``: the recipe's).
+    :param sampling: the sampling (``auto``: the recipe's).
+    :param bands: banded noise's bands and cyclic sampling's period (0: chosen for the target).
+    :param workload: what an optimised factorization targets: ``ones`` (prefix sums) or ``true`` (the recipe's
+        momentum and decay).
+    :param tree_decoder: tree noise's decoder (None: the recipe's).
+    :param accountant: ``pld`` or ``rdp``.
+    :param relation: ``add-remove`` or ``replace-one``.
+    :param calibration: ``accountant`` or ``advanced-composition`` (iid noise at an epsilon only).
+    :param calibration_epochs: the epochs iid noise was calibrated for, when a resumed run is extended past them.
+    :param hyperparameters: the recipe's (None: its defaults); their momentum and decay shape a ``true`` workload.
+    :raises ValueError: for an unknown recipe, both or neither target, or a noise setting the chosen noise and
+        sampling would ignore.
+    """
 
     algorithm: str
     dataset_size: int
@@ -169,8 +193,12 @@ class PrivacyPlan:
     def resolved(self, log: Callable[[str], None] = print) -> "PrivacyPlan":
         """The plan with every choice it makes from the target written down: cyclic sampling's period (the
         noise's bands), the least noise on the workload at the epsilon, unless ``bands`` gives it. At a noise
-        multiplier, the epsilon is the one DP-SGD's Poisson sampling reaches with it on the same batches, by RDP (fast at
-        any scale; the run's ledger accounts whichever period this chooses)."""
+        multiplier, the epsilon is the one DP-SGD's Poisson sampling reaches with it on the same batches, by RDP
+        (fast at any scale; the run's ledger accounts whichever period this chooses).
+
+        :param log: where the choice is written (one line).
+        :returns: this plan with ``bands`` set where cyclic sampling chose a period.
+        """
         if self.sampling_kind != "cyclic" or self.bands or self.algorithm in NON_PRIVATE:
             return self
         steps = self.steps or math.ceil(self.epochs * max(1, round(self.dataset_size / self.batch_size)))
@@ -202,8 +230,16 @@ class PrivacyPlan:
 
     def make(self, key: int | bytes | None, log: Callable[[str], None] = print,
              parallel: DataParallel | None = None) -> Privatizer:
-        """The ``Privatizer`` of a ``resolved`` plan: its sampler and noise keyed by ``key``, the noise calibrated
-        to the target, and an empty ledger."""
+        """The ``Privatizer`` of the ``resolved`` plan: its sampler and noise keyed by ``key``, the noise
+        calibrated to the target, and an empty ledger.
+
+        :param key: the secret key of the sampling and noise streams (``dpopt.noise.rng.secret_key``); None: every
+            draw from OS entropy.
+        :param log: where the plan's choices are written.
+        :param parallel: a ``DataParallel`` group whose processes share each step.
+        :returns: the ``Privatizer`` a ``PrivateStep`` drives.
+        :raises AccountingError: for a sampling the mechanism cannot account.
+        """
         plan = self.resolved(log)
         sampler = plan.sampler(key)
         clipping = Clipping(plan.clip, plan.clipping)
