@@ -221,7 +221,7 @@ def _step_fn(system: str, case: Case, model: nn.Module, dataset: Any, loss: Call
         return galore_step
     if system in ("dpopt", "dpopt-materialize", "dp-grape", "dp-galore", "dpzero", "disk-sgd", "dp-srg-memf",
                   "accel-dp-srgd"):
-        from dpopt.algorithms import CONFIGS, Privatizer, build_algorithm
+        from dpopt.algorithms import CONFIGS, Privatizer, build_algorithm, settings_of
         from dpopt.clipping import Clipping
         from dpopt.data.samplers import FixedOrderSampler
         from dpopt.grad import PerExampleEngine
@@ -234,8 +234,7 @@ def _step_fn(system: str, case: Case, model: nn.Module, dataset: Any, loss: Call
         algorithm = system if system not in ("dpopt", "dpopt-materialize") else f"dp-{case.optimizer}"
         engine = PerExampleEngine(model, loss, strategy="materialize" if system == "dpopt-materialize" else "auto",
                                   precision=case.precision)
-        projected = "rank" in CONFIGS[algorithm].__dataclass_fields__
-        hp = CONFIGS[algorithm](lr=0.01, **({"rank": case.rank} if projected else {}))
+        hp = CONFIGS[algorithm](lr=0.01, **({"rank": case.rank} if "rank" in settings_of(algorithm) else {}))
         opt = build_algorithm(algorithm, engine, privatizer, hp, case.physical)
         if not opt.verified:
             opt.verify(dataset)  # the one-time self-check, outside the timed step

@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
+from dpopt import names
 from dpopt.algorithms import (ALGORITHMS, DEFAULT_NOISE, DEFAULT_SAMPLING, DEFAULT_TREE_DECODER, DEFAULTS, NON_PRIVATE,
                               applies_to, hyperparameters_for)
 from dpopt.algorithms.hyperparameters import all_fields
@@ -32,8 +33,8 @@ from dpopt.noise.mechanisms import NOISES, TREE_DECODERS, WORKLOADS
 from dpopt.privacy import (AccountingError, CyclicPoissonSampling, FixedParticipation, GaussianRelease, PoissonSampling,
                            Relation, epsilon_of, noise_multiplier_for)
 from dpopt.report import CURVES, LOG, TENSORBOARD
-from dpopt.schedules import SCHEDULES
 from dpopt.run import CALIBRATIONS, MODEL_DIR, TrainConfig, extended, resume, saved_steps_per_epoch, train
+from dpopt.schedules import SCHEDULES
 
 DEFAULT_EPSILON = 2.0
 RUN_FILES = (CHECKPOINT, "metrics.json", LOG, CURVES, TENSORBOARD, MODEL_DIR)  # what dpopt train writes in --out
@@ -100,10 +101,6 @@ def _defaults_text(name: str, default: Any) -> str:
     return "; ".join([f"default: {shown(default)}", *(f"{shown(v)} for {', '.join(a)}" for v, a in own.items())])
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def _applies_text(name: str) -> str:
     """'dp-adam, dp-adamw, ...': the recipes whose hyper-parameters include ``name`` (all: no text)."""
     users = applies_to(name)
@@ -163,7 +160,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--clipping", default=d.clipping, choices=CLIP_MODES)
     for f in all_fields().values():  # default None: the algorithm's own (hyperparameters_for)
         default = f.default
-        flag = _flag(f.name)
+        flag = names.flag(f.name)
         text = f"{f.metadata['help']} ({_applies_text(f.name)}; {_defaults_text(f.name, default)})"
         if isinstance(default, tuple):
             p.add_argument(flag, type=type(default[0]), nargs=len(default), help=text)
@@ -412,7 +409,7 @@ def _resume_differences(args: argparse.Namespace, given: set[str], saved: TrainC
             value, theirs = Path(value).resolve(), Path(theirs).resolve()
         if value != theirs:
             theirs = "none given: the default" if theirs is None else theirs  # e.g. --physical-batch-size
-            differences.append(f"--{name.replace('_', '-')} {value} (the run has {theirs})")
+            differences.append(f"{names.flag(name)} {value} (the run has {theirs})")
     return differences
 
 
@@ -437,7 +434,7 @@ def _train(args: argparse.Namespace) -> int:
         if (values["epsilon"] is None and values["noise_multiplier"] is None
                 and values["algorithm"] not in NON_PRIVATE):
             values["epsilon"] = DEFAULT_EPSILON
-        hp = hyperparameters_for(args.algorithm, _flag, **{name: getattr(args, name) for name in all_fields()})
+        hp = hyperparameters_for(args.algorithm, names.flag, **{name: getattr(args, name) for name in all_fields()})
         config = TrainConfig(**values, hyperparameters=hp)
         config.validate()
         if args.out is not None:

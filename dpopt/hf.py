@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler, Subset
 from transformers import Trainer
 
-from dpopt.algorithms import CONFIGS, Hyperparameters, hyperparameters_for
+from dpopt.algorithms import Hyperparameters, hyperparameters_for, settings_of
 from dpopt.algorithms.base import PrivateStep
 from dpopt.checkpoint import write_atomic
 from dpopt.grad.batch import batch_size_of
@@ -210,7 +210,7 @@ class PrivateTrainer(Trainer):
         if self.privacy.algorithm is None:
             return None
         trainer = {"lr": self.args.learning_rate}
-        if "weight_decay" in {f.name for f in fields(CONFIGS[self.privacy.algorithm])}:
+        if "weight_decay" in settings_of(self.privacy.algorithm):
             trainer["weight_decay"] = self.args.weight_decay
         return hyperparameters_for(self.privacy.algorithm, **{**trainer, **self.privacy.hyperparameters})
 

@@ -32,7 +32,6 @@ evaluate ``loss_fn`` on the physical batch, at the points it chooses; any recipe
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any, Callable, Iterator
 
@@ -287,16 +286,15 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | None, data
     data, n = _indexable(data, collate_fn)
     engine = PerExampleEngine(model, loss_fn)
     key = secret_key(secret_seed)
-    plan = PrivacyPlan(algorithm or "dp-sgd", n, batch_size, epochs, steps, epsilon, noise_multiplier, delta, clip,
-                       clipping, noise, sampling, bands, workload, tree_decoder, accountant, relation,
-                       hyperparameters=hyperparameters).resolved(_log.info)
+    plan = PrivacyPlan(algorithm or "dp-sgd", n, batch_size, epochs, steps, epsilon=epsilon,
+                       noise_multiplier=noise_multiplier, delta=delta, clip=clip, clipping=clipping, noise=noise,
+                       sampling=sampling, bands=bands, workload=workload, tree_decoder=tree_decoder,
+                       accountant=accountant, relation=relation, hyperparameters=hyperparameters).resolved(_log.info)
     privatizer = plan.make(key, _log.info)
     if optimizer is None:
         total = plan.total_steps(privatizer.sampler)
         dp = build_algorithm(plan.algorithm, engine, privatizer, plan.hyperparameters.for_run(total))
-        if not schedule.is_constant:
-            schedule.warmup_steps(total)  # refuses a warm-up as long as the run
-            dp.schedule = functools.partial(schedule.factor, steps=total)
+        dp.schedule = schedule.for_run(total)
     else:
         _check_optimizer(optimizer, engine)
         dp = PrivateStep(engine, privatizer, optimizer)

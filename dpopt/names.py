@@ -25,11 +25,16 @@ def renamed(**new_names: str) -> Callable[[F], F]:
     return wrap
 
 
+def flag(name: str) -> str:
+    """The command-line flag of a setting: ``tree_decoder`` is ``--tree-decoder``."""
+    return "--" + name.replace("_", "-")
+
+
 def add_renamed_flags(parser: argparse.ArgumentParser, **new_flags: str) -> None:
     """Hidden flags ``--old`` that stop the parse with "--old is now --new" (exit 2)."""
     for old, new in new_flags.items():
-        flag = "--" + old.replace("_", "-")
-        parser.add_argument(flag, nargs="?", help=argparse.SUPPRESS, action=_renamed_flag(f"{flag} is now {new}"))
+        parser.add_argument(flag(old), nargs="?", help=argparse.SUPPRESS,
+                            action=_renamed_flag(f"{flag(old)} is now {new}"))
 
 
 def _renamed_flag(message: str) -> type[argparse.Action]:

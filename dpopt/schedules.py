@@ -8,8 +8,10 @@ schedule is post-processing of the releases and changes no privacy guarantee.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 SCHEDULES = ("constant", "cosine", "linear")
 
@@ -36,6 +38,14 @@ class Schedule:
         if w >= steps:
             raise ValueError(f"the warm-up ({w} steps) must be shorter than the run ({steps} steps)")
         return w
+
+    def for_run(self, steps: int) -> Callable[[int], float] | None:
+        """The factor at each step of a run of ``steps`` steps (``PrivateStep.schedule``), or None for a constant
+        rate; a warm-up as long as the run is refused here, before training."""
+        if self.is_constant:
+            return None
+        self.warmup_steps(steps)
+        return functools.partial(self.factor, steps=steps)
 
     def factor(self, step: int, steps: int) -> float:
         """The learning rate's factor at ``step`` (0-based) of a run of ``steps`` steps."""

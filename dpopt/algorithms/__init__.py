@@ -6,12 +6,12 @@ from dpopt.algorithms.hyperparameters import (SGD, SRG, SRGD, Adam, DiSKAdam, Di
                                               Projection, StepRule, ZerothOrder)
 from dpopt.algorithms.registry import (ALGORITHMS, CONFIGS, DEFAULT_NOISE, DEFAULT_SAMPLING, DEFAULT_TREE_DECODER,
                                        DEFAULTS, NON_PRIVATE, applies_to, build_algorithm, check_algorithm,
-                                       hyperparameters_for, register)
+                                       hyperparameters_for, register, settings_of)
 from dpopt.names import renamed_attributes
 
 __all__ = ["ALGORITHMS", "CONFIGS", "DEFAULT_NOISE", "DEFAULT_SAMPLING", "DEFAULT_TREE_DECODER", "DEFAULTS",
            "NON_PRIVATE", "SGD", "SRG", "SRGD", "Adam", "PrivateStep", "DiSKAdam", "DiSKProjection", "DiSKSGD",
            "Hyperparameters", "Privatizer", "Projection", "StepResult", "StepRule", "Transform", "ZerothOrder",
-           "applies_to", "build_algorithm", "check_algorithm", "hyperparameters_for", "register"]
+           "applies_to", "build_algorithm", "check_algorithm", "hyperparameters_for", "register", "settings_of"]
 
 __getattr__ = renamed_attributes(__name__, DPOptimizer="PrivateStep")

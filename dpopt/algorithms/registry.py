@@ -52,9 +52,14 @@ def check_algorithm(name: str) -> None:
         raise ValueError(f"unknown algorithm {name!r}; choose one of {', '.join(sorted(ALGORITHMS))}")
 
 
+def settings_of(name: str) -> set[str]:
+    """The names of recipe ``name``'s hyper-parameters (the fields of its family's config)."""
+    return {f.name for f in fields(CONFIGS[name])}
+
+
 def applies_to(setting: str) -> list[str]:
     """The recipes whose hyper-parameters include ``setting``."""
-    return sorted(name for name, config in CONFIGS.items() if setting in {f.name for f in fields(config)})
+    return sorted(name for name in CONFIGS if setting in settings_of(name))
 
 
 def hyperparameters_for(name: str, spell: Callable[[str], str] = str, **overrides: Any) -> Hyperparameters:
@@ -69,15 +74,14 @@ def hyperparameters_for(name: str, spell: Callable[[str], str] = str, **override
         or a value out of range.
     """
     check_algorithm(name)
-    config = CONFIGS[name]
     given = {k: v for k, v in overrides.items() if v is not None}
-    own = {f.name for f in fields(config)}
+    own = settings_of(name)
     for setting in sorted(set(given) - own):
         users = applies_to(setting)
         where = f"it applies to {', '.join(users)}" if users else "no algorithm has it"
         raise ValueError(f"{spell(setting)} does not apply to {name} ({where}); {name} takes "
                          f"{', '.join(spell(f) for f in sorted(own))}")
-    return config(**{**DEFAULTS[name], **given})
+    return CONFIGS[name](**{**DEFAULTS[name], **given})
 
 
 def build_algorithm(name: str, engine: PerExampleEngine, privatizer: Privatizer,

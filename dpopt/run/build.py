@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 import warnings
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from dpopt.distributed import DataParallel
 from dpopt.grad.engine import PerExampleEngine
 from dpopt.grad.verify import check_per_example
 from dpopt.models import MODEL_TRAINABLE, build_model, hf_folder
+from dpopt.names import flag
 from dpopt.noise.rng import derive_seed, secret_key
 from dpopt.privacy import PrivacyLedger
 from dpopt.run.config import DEFAULT_BATCH, DEFAULT_PHYSICAL_BATCH, TrainConfig
@@ -77,18 +77,15 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel:
     privatizer = plan.make(key, log, parallel)
     sampler, total = privatizer.sampler, plan.total_steps(privatizer.sampler)
     for name, rule in config.hyperparameters.rules().items():  # set by the run's length; the config keeps the value
-        flag = "--" + name.replace("_", "-")
         log(f"{config.algorithm}: {name} = {rule} = {rule(total):.3g} over {total} steps "
-            f"(its default depends on the run's length; {flag} sets it)")
+            f"(its default depends on the run's length; {flag(name)} sets it)")
     config = dataclasses.replace(config, hyperparameters=config.hyperparameters.for_run(total))
     ledger = privatizer.ledger
     physical = min(DEFAULT_PHYSICAL_BATCH, n) if config.physical_batch_size is None else config.physical_batch_size
     if physical > n:
         raise ValueError(f"the physical batch size ({physical}) exceeds the {n} training examples")
     optimizer = build_algorithm(config.algorithm, engine, privatizer, config.hyperparameters, physical)
-    if not config.schedule.is_constant:
-        config.schedule.warmup_steps(total)  # refuses a warm-up as long as the run
-        optimizer.schedule = functools.partial(config.schedule.factor, steps=total)
+    optimizer.schedule = config.schedule.for_run(total)
     return Run(config, data, model, optimizer, sampler, ledger, total, key)
 
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpopt import plan
-from dpopt.algorithms import CONFIGS, DEFAULT_TREE_DECODER, NON_PRIVATE, Hyperparameters, StepRule, hyperparameters_for
+from dpopt.algorithms import (CONFIGS, DEFAULT_TREE_DECODER, NON_PRIVATE, Hyperparameters, StepRule, hyperparameters_for,
+                              settings_of)
 from dpopt.algorithms.base import check_physical_batch_size
 from dpopt.clipping import Clipping
 from dpopt.data.datasets import DATASETS, check_dataset, default_epochs, default_model
@@ -189,7 +190,7 @@ def _from_flat_hp(data: dict[str, Any]) -> dict[str, Any]:
         return data
     data = dict(data)
     flat = data.pop("hp")
-    own = {f.name for f in dataclasses.fields(CONFIGS[data.get("algorithm", "dp-sgd")])}
+    own = settings_of(data.get("algorithm", "dp-sgd"))
     data.update({k: flat[k] for k in NOISE_SETTINGS if k in flat})
     if data.get("tree_decoder") == DEFAULT_TREE_DECODER.get(data.get("algorithm", "dp-sgd"), "sum"):
         data["tree_decoder"] = None  # the recipe's own
