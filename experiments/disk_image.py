@@ -97,7 +97,8 @@ def run_config(a: argparse.Namespace, algorithm: str, dataset: str, epsilon: flo
                                                           a.calibration_epochs * sampler.steps_per_epoch)}
     return TrainConfig(algorithm=algorithm, dataset=dataset, model="cnn", delta=1e-5, epochs=a.epochs,
                        batch_size=a.batch_size, physical_batch_size=a.physical_batch_size,
-                       clip=CLIP[clipping] or a.clip, clipping=clipping, seed=seed, secret_seed=seed, hyperparameters=hp, **noise)
+                       clip=CLIP[clipping] or a.clip, clipping=clipping, seed=seed, secret_seed=seed, hyperparameters=hp,
+                       lr_schedule=a.lr_schedule, warmup=a.warmup, **noise)
 
 
 def hyperparameters(tuned: Path, dataset: str, base: str, clipping: str, kappa: float | None,
@@ -199,6 +200,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--kappa", type=float, nargs="+", default=[0.7], help="DiSK's Kalman gain (several: an ablation)")
     p.add_argument("--gamma", type=float, nargs="+", default=[0.5],
                    help="DiSK's extrapolation step (several: an ablation over the kappa x gamma grid)")
+    p.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine", "linear"],
+                   help="the paper's runs: cosine, with --warmup 0.05 (a linear warm-up over 1/20 of the steps)")
+    p.add_argument("--warmup", type=float, default=0.0, help="a fraction of the run's steps if below 1, else steps")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     out = Path(a.out)
@@ -228,6 +232,7 @@ def main(argv: list[str]) -> int:
                                    "test_accuracy": m["test_accuracy"], "epsilon_spent": m["epsilon"],
                                    "lr": config.hyperparameters.lr, "epochs": a.epochs, "batch_size": a.batch_size,
                                    "clip": config.clip, "calibration_epochs": a.calibration_epochs,
+                                   "lr_schedule": a.lr_schedule, "warmup": a.warmup,
                                    **({"kappa": kappa, "gamma": gamma} if method == "disk" else {}),
                                    "noise_multiplier": m["noise_multiplier"], "steps": m["steps"],
                                    "accuracy_per_epoch": [h["test_accuracy"] for h in m["history"]],
