@@ -55,11 +55,14 @@ HOST_METHODS = ("tolist", "cpu", "numpy")
 
 @dataclass
 class StepCount:
-    """One step's aten operations by name, those of them that launch a kernel, and its host syncs by name."""
+    """One step's aten operations by name, those of them that launch a kernel, its host syncs by name, and its
+    upcasts: copies of a 16-bit float tensor into float32 (``_to_copy``, ``copy_``), the cost of keeping a bf16
+    step's norms and sums in float32."""
 
     ops: Counter[str] = field(default_factory=Counter)
     launching: Counter[str] = field(default_factory=Counter)
     syncs: Counter[str] = field(default_factory=Counter)
+    upcasts: Counter[str] = field(default_factory=Counter)
 
     @property
     def aten_ops(self) -> int:
@@ -72,6 +75,10 @@ class StepCount:
     @property
     def host_syncs(self) -> int:
         return sum(self.syncs.values())
+
+    @property
+    def fp32_copies(self) -> int:
+        return sum(self.upcasts.values())
 
 
 def _tensor(t: torch._C.Type) -> bool:
@@ -86,6 +93,17 @@ def is_launching(func: torch._ops.OpOverload) -> bool:
                   or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments))
     return (func.namespace == "aten" and makes_data and not func.is_view and torch.Tag.inplace_view not in func.tags
             and func.overloadpacket.__name__ not in NO_KERNEL)
+
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+def is_upcast(func: torch._ops.OpOverload, args: tuple, out: Any) -> bool:
+    """Whether ``func`` copied a 16-bit float tensor into a float32 one."""
+    name = func.overloadpacket.__name__
+    source = args[0] if name == "_to_copy" else args[1] if name == "copy_" and len(args) > 1 else None
+    return (isinstance(source, torch.Tensor) and source.dtype in HALF and isinstance(out, torch.Tensor)
+            and out.dtype == torch.float32)
 
 
 def _boolean(indices: Any) -> bool:
@@ -152,6 +170,8 @@ def counting() -> Iterator[StepCount]:
             count.launching[name] += 1
         if is_sync(func, args, kwargs):
             count.syncs[name] += 1
+        if is_upcast(func, args, out):
+            count.upcasts[name] += 1
 
     def host(name: str) -> None:
         count.syncs[name] += 1

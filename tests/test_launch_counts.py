@@ -39,6 +39,9 @@ PER_LAYER_BOUND = (120 - 68) / 6
 # dpopt's host syncs per step: the clip stage's one read (Hugging Face's BERT adds its own attention-mask check).
 SYNC_BOUNDS = {"cnn b64": 1, "mlp depth 8 b64": 1, "bert b4 s16": 2}
 DEPTHS = (2, 8)
+# float32 copies of 16-bit tensors per bf16 step that dpopt adds to PyTorch's own autocast copies, at most (measured:
+# 2 on a 2-layer BERT and on the 6-layer BERT-shaped workload at b4 s16, whose PyTorch step makes 126).
+UPCAST_BOUND = 10
 
 
 def mlp(depth: int) -> nn.Module:
@@ -58,6 +61,24 @@ def workload_count(workload: str, batch: int, seq: int = 64) -> launches.StepCou
     case = bench.Case(workload, batch, seq)
     with launches.accelerator_settings():
         return launches.count_step(bench._step_fn("dpopt", case, *bench._workload(case, "dpopt")))
+
+
+def small_bert_bf16_count(system: str) -> launches.StepCount:
+    """A system's third step on a 2-layer BERT (hidden 32) with bf16 autocast, counted with the accelerator's
+    settings."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                                                     num_attention_heads=2, intermediate_size=64))
+    data = {"input_ids": torch.randint(0, 100, (4, 16)), "labels": torch.randint(0, 2, (4,))}
+
+    def loss(m, b):
+        return F.cross_entropy(m(input_ids=b["input_ids"]).logits, b["labels"], reduction="none")
+
+    with launches.accelerator_settings():
+        return launches.count_step(bench._step_fn(system, bench.Case("bert", 4, 16, precision="bf16"), model, data,
+                                                  loss))
 
 
 @functools.lru_cache
@@ -86,6 +107,13 @@ def test_deep_mlp_launches_per_step_stay_within_the_bound():
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
 def test_bert_launches_per_step_stay_within_the_bound():
     _within(workload_count("bert", 4, 16), "bert b4 s16")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+def test_a_bf16_step_adds_few_float32_copies():
+    private, plain = (small_bert_bf16_count(system) for system in ("dpopt", "pytorch"))
+    assert plain.fp32_copies > 20  # autocast's own: the counter sees upcasts
+    assert private.fp32_copies - plain.fp32_copies <= UPCAST_BOUND, (private.upcasts, plain.upcasts)
 
 
 def test_launches_per_added_linear_layer_are_bounded():
