@@ -35,6 +35,8 @@ from dpopt.privacy import (AccountingError, CyclicPoissonSampling, FixedParticip
 from dpopt.report import CURVES, LOG, TENSORBOARD
 from dpopt.run import CALIBRATIONS, MODEL_DIR, TrainConfig, extended, resume, saved_steps_per_epoch, train
 from dpopt.schedules import SCHEDULES
+from dpopt.sharded import SHARDABLE
+from dpopt.sharded import refusal as shard_refusal
 
 DEFAULT_EPSILON = 2.0
 RUN_FILES = (CHECKPOINT, "metrics.json", LOG, CURVES, TENSORBOARD, MODEL_DIR)  # what dpopt train writes in --out
@@ -228,6 +230,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc", type=_positive_int, default=1,
                    help="data-parallel: split each step over N local processes (gloo); under torchrun the "
                         "launcher's RANK/WORLD_SIZE are used instead")
+    p.add_argument("--shard", action="store_true",
+                   help="with --nproc N or torchrun: shard the parameters, gradients and optimizer state over the "
+                        "processes (FSDP2), each holding 1/N of them; the same run as unsharded "
+                        f"({', '.join(SHARDABLE)})")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -371,9 +377,11 @@ def parser() -> argparse.ArgumentParser:
 
 def _run_training(parallel: DataParallel | None, config: TrainConfig | None, out: str | None,
                   resume_from: str | None, progress: bool, epochs: int | None = None,
-                  state: dict[str, Any] | None = None) -> None:
+                  state: dict[str, Any] | None = None, shard: bool = False) -> None:
     """One process's part of ``dpopt train`` (all of it without ``parallel``); rank 0 prints. ``state``: the
-    checkpoint of ``resume_from`` where this process has read it already."""
+    checkpoint of ``resume_from`` where this process has read it already; ``shard``: the ranks shard the model."""
+    if parallel is not None:
+        parallel.sharded = shard
     metrics = (resume(resume_from, progress, parallel=parallel, epochs=epochs, state=state) if resume_from
                else train(config, out, progress, parallel=parallel))
     if parallel is None or parallel.lead:
@@ -382,7 +390,7 @@ def _run_training(parallel: DataParallel | None, config: TrainConfig | None, out
               f"(delta {metrics['delta']:g}) after {metrics['steps']} steps, {metrics['wall_time_s']:.1f} s")
 
 
-FREE_ON_RESUME = {"resume", "no_progress", "nproc", "download", "epochs"}  # how to run; epochs: see extended
+FREE_ON_RESUME = {"resume", "no_progress", "nproc", "shard", "download", "epochs"}  # how to run; epochs: see extended
 
 
 def _given(argv: list[str]) -> set[str]:
@@ -445,17 +453,29 @@ def _train(args: argparse.Namespace) -> int:
     if args.nproc > 1 and launched > 1:
         raise ValueError(f"--nproc {args.nproc} under a launcher that already started {launched} processes "
                          "(WORLD_SIZE is set); drop --nproc")
+    if args.shard:
+        _check_shard(TrainConfig.from_dict(state["config"]) if config is None else config, max(args.nproc, launched))
     if args.nproc > 1:
         del state  # each launched process reads the checkpoint itself; not one copy held here throughout
-        launch(args.nproc, _run_training, config, args.out, args.resume, progress, epochs)
+        launch(args.nproc, _run_training, config, args.out, args.resume, progress, epochs, None, args.shard)
     else:
         parallel = from_environment()
         try:
-            _run_training(parallel, config, args.out, args.resume, progress, epochs, state)
+            _run_training(parallel, config, args.out, args.resume, progress, epochs, state, args.shard)
         finally:
             if parallel is not None:
                 parallel.close()
     return 0
+
+
+def _check_shard(config: TrainConfig, processes: int) -> None:
+    """Refuse ``--shard`` where there is nothing to shard over or the run cannot shard yet, before it starts."""
+    if processes < 2:
+        raise ValueError("--shard splits the model over several processes: add --nproc N (N >= 2), or launch with "
+                         "torchrun --nproc-per-node N")
+    why = shard_refusal(config.algorithm, config.noise_kind, config.clipping, config.precision)
+    if why is not None:
+        raise ValueError(f"{why}; or drop --shard")
 
 
 @command("account", _add_account)

@@ -46,6 +46,7 @@ class DataParallel:
                              "the processes with torchrun, call torch.distributed.init_process_group, or use "
                              "`dpopt train --nproc N`")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.sharded = False  # True: the ranks shard the model (dpopt.sharded) instead of each holding all of it
         config = dist.get_backend_config()
         self._carries = device_types(config)
         if not self._carries & {"cpu", "cuda"}:
@@ -68,6 +69,10 @@ class DataParallel:
 
     def share(self, sampler: Sampler, step: int) -> torch.Tensor:
         """This rank's share of step ``step``'s global batch, drawn by rank 0 from ``sampler``."""
+        return torch.tensor_split(self.global_batch(sampler, step), self.world_size)[self.rank]
+
+    def global_batch(self, sampler: Sampler, step: int) -> torch.Tensor:
+        """Step ``step``'s global batch (on the CPU), drawn by rank 0 from ``sampler`` and sent to every rank."""
         index = sampler.batch(step).to(torch.int64) if self.lead else None
         size = torch.tensor([0 if index is None else index.numel()], dtype=torch.int64, device=self._small)
         dist.broadcast(size, 0)
@@ -75,7 +80,7 @@ class DataParallel:
                                                                            device=self._small)
         if int(size):
             dist.broadcast(buf, 0)
-        return torch.tensor_split(buf.cpu(), self.world_size)[self.rank]
+        return buf.cpu()
 
     def sum_and_noise(self, sums: list[torch.Tensor],
                       add_noise: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> list[torch.Tensor]:

@@ -44,12 +44,14 @@ from dpopt.algorithms import Hyperparameters, build_algorithm, hyperparameters_f
 from dpopt.algorithms.base import PrivateStep
 from dpopt.data.samplers import take
 from dpopt.device import to_device
+from dpopt.distributed import DataParallel
 from dpopt.grad.batch import Closure, LossFn
 from dpopt.grad.engine import PerExampleEngine
 from dpopt.names import renamed
 from dpopt.noise.rng import SecretStream, secret_key
 from dpopt.plan import PrivacyPlan
 from dpopt.schedules import Schedule
+from dpopt.sharded import ShardedStep
 from dpopt.privacy import PrivacyLedger, privacy_statement
 
 _log = logging.getLogger("dpopt")  # what the plan chose (a cyclic period, a calibrated noise multiplier)
@@ -59,7 +61,15 @@ class PrivateOptimizer(torch.optim.Optimizer):
     """What the loop calls ``optimizer``: ``zero_grad()`` and ``step()`` after each physical batch's backward,
     or ``step(closure)``. The gradients autograd leaves in ``.grad`` are not private and are discarded; the
     update uses the release. It shares a torch base's parameter groups (a recipe's own update reads the first
-    group's ``lr``), so ``torch.optim.lr_scheduler`` schedules it as any torch optimizer."""
+    group's ``lr``), so ``torch.optim.lr_scheduler`` schedules it as any torch optimizer. ``make_private``
+    builds it (see its example); it is not built by hand.
+
+    :param dp: the private step it drives (engine, privatizer, recipe or torch optimizer).
+    :param mean: whether the loop's backward is of the mean of the per-example losses (``loss_reduction="mean"``),
+        so the recorded gradients are scaled back to each example's own.
+    :param key: the secret key of the run's sampling and noise (saved by ``state_dict``).
+    :param delta: the run's delta, at which ``epsilon()`` and ``statement()`` state the guarantee.
+    """
 
     def __init__(self, dp: PrivateStep, mean: bool, key: int | bytes, delta: float) -> None:
         lr = getattr(dp.base, "lr", None)
@@ -67,7 +77,9 @@ class PrivateOptimizer(torch.optim.Optimizer):
         if isinstance(dp.base, torch.optim.Optimizer):
             self.param_groups, self.state, self.defaults = dp.base.param_groups, dp.base.state, dp.base.defaults
         self.dp, self.mean, self.key, self.delta = dp, mean, key, delta
-        self.needs_closure = dp._statistic is not None  # the recipe evaluates the loss itself, several times
+        # the recipe evaluates the loss itself, several times (a sharded step: twice, norms then clipped sum)
+        self.needs_closure = dp._statistic is not None or isinstance(dp, ShardedStep)
+        self._real = True  # a sharded rank's physical batch holds its own examples (False: weight 0, see rounds)
         self._size: int | None = None  # the physical batch handed out and not stepped yet
         self._recording: Any = None
         self._last = False
@@ -75,6 +87,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
 
     @property
     def ledger(self) -> PrivacyLedger:
+        """The run's ``PrivacyLedger``: every release made so far."""
         return self.dp.privatizer.ledger
 
     def epsilon(self, delta: float | None = None) -> float:
@@ -90,13 +103,20 @@ class PrivateOptimizer(torch.optim.Optimizer):
         if hasattr(self.dp.base, "lr") and "lr" in self.param_groups[0]:
             self.dp.base.lr = self.param_groups[0]["lr"]
 
-    def begin(self, size: int, last: bool) -> None:
-        """A physical batch of ``size`` examples is handed to the loop (``last``: of its logical batch)."""
+    def begin(self, size: int, last: bool, real: bool = True) -> None:
+        """A physical batch of ``size`` examples is handed to the loop (``last``: of its logical batch). The
+        batches ``make_private`` returned call it; a loop does not.
+
+        :param size: the physical batch's number of examples.
+        :param last: whether it is its logical batch's last (the next ``step()`` releases).
+        :param real: False for a sharded rank's stand-in batch (weight 0: ``ShardedStep.rounds``).
+        :raises RuntimeError: when the previous physical batch was not stepped.
+        """
         if self._size is not None:
             if self._recording is not None:
                 self._recording.remove()
             raise RuntimeError("optimizer.step() must follow every physical batch's backward")
-        self._size, self._last = size, last
+        self._size, self._last, self._real = size, last, real
         self._recording = None if self.needs_closure else self.dp.engine.record(size, self.mean)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -121,6 +141,8 @@ class PrivateOptimizer(torch.optim.Optimizer):
             recording.remove()
         if size is None:
             raise RuntimeError("optimizer.step() without a batch: iterate over the batches make_private returned")
+        if isinstance(self.dp, ShardedStep):
+            return self._sharded_step(closure, size)
         if closure is not None:
             grads = self.dp.statistic(Closure(closure, size))
         elif self.needs_closure:
@@ -141,9 +163,25 @@ class PrivateOptimizer(torch.optim.Optimizer):
             self.dp.finish(sums)
         return losses
 
+    def _sharded_step(self, closure: Callable[[], torch.Tensor] | None, size: int) -> None:
+        """``step`` on a sharded model: the physical batch's clipped sum added to the sharded gradients (two passes
+        of the closure); after the last one, release once and update."""
+        if closure is None:
+            raise RuntimeError("a sharded model evaluates the loss twice per batch (the norms, then the clipped sum): "
+                               "pass a closure returning the batch's per-example losses, "
+                               "optimizer.step(lambda: loss_fn(model, batch)), instead of calling backward")
+        self.dp.accumulate(Closure(closure, size), self._real)
+        if self._last:
+            self._set_lr()
+            self.dp.end()
+
     def state_dict(self) -> dict[str, Any]:
         """The optimizer, the ledger and the secret key (``private_state``): save it with the model's
-        ``state_dict`` and keep the file private."""
+        ``state_dict`` and keep the file private.
+
+        :returns: a dict for ``torch.save``; ``load_state_dict`` resumes from it.
+        :raises RuntimeError: in the middle of a logical batch (its clipped sums are not released yet).
+        """
         if self._sums is not None:
             raise RuntimeError("save between logical steps (after the step() that ends one): this one has clipped "
                                "sums not yet released")
@@ -151,7 +189,42 @@ class PrivateOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state_dict()``, in a fresh ``make_private`` before its first step: the run goes on with
-        its own key (the same batches and noise as uninterrupted) and its ledger."""
+        its own key (the same batches and noise as uninterrupted) and its ledger.
+
+        ```python
+        import torch
+        import torch.nn.functional as F
+        from dpopt import make_private
+
+        x, y = torch.randn(80, 4), torch.randint(0, 2, (80,))
+        loss_fn = lambda model, batch: F.cross_entropy(model(batch[0]), batch[1], reduction="none")
+
+        def private_run():
+            model = torch.nn.Linear(4, 2)
+            return make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), loss_fn,
+                                noise_multiplier=1.0, batch_size=4, epochs=2)
+
+        def epoch(model, optimizer, batches):
+            for batch in batches:
+                optimizer.zero_grad()
+                loss_fn(model, batch).mean().backward()
+                optimizer.step()
+
+        model, optimizer, batches = private_run()
+        epoch(model, optimizer, batches)
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, "checkpoint.pt")  # private
+
+        model, optimizer, batches = private_run()     # later: a fresh make_private, then the saved state
+        state = torch.load("checkpoint.pt")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        epoch(model, optimizer, batches)               # the second epoch, with the run's key and ledger
+        assert optimizer.ledger.steps == 40
+        ```
+
+        :param state: what ``state_dict()`` returned.
+        :raises RuntimeError: after this optimizer's first release (the restored ledger would miss it).
+        """
         self.key = load_private_state(self.dp, state)
 
     def statement(self, delta: float | None = None) -> str:
@@ -195,6 +268,9 @@ class PrivateBatches:
         return self.dp.privatizer.sampler.steps_per_epoch
 
     def __iter__(self) -> Iterator[Any]:
+        if isinstance(self.dp, ShardedStep):
+            yield from self._sharded()
+            return
         for _ in range(len(self) - self.dp.steps % len(self)):  # a resumed epoch: its remaining steps
             index = self.dp.privatizer.batch(self.dp.steps)
             if not index.numel():
@@ -203,6 +279,17 @@ class PrivateBatches:
             parts = index.split(self.dp.physical_batch_size or index.numel())
             for k, part in enumerate(parts):
                 self.optimizer.begin(part.numel(), last=k == len(parts) - 1)
+                yield to_device(take(self.data, part), self.dp.device)
+
+
+    def _sharded(self) -> Iterator[Any]:
+        """A sharded step's physical batches: as many on every rank (``ShardedStep.rounds``)."""
+        for _ in range(len(self) - self.dp.steps % len(self)):
+            rounds = self.dp.rounds()
+            if not rounds:
+                self.dp.end()  # an empty logical batch is released too: noise alone
+            for k, (part, real) in enumerate(rounds):
+                self.optimizer.begin(part.numel(), last=k == len(rounds) - 1, real=real)
                 yield to_device(take(self.data, part), self.dp.device)
 
 
@@ -229,13 +316,44 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | None, data
                  workload: str = "ones", tree_decoder: str | None = None, accountant: str = "pld",
                  relation: str = "add-remove", secret_seed: int | bytes | None = None,
                  hyperparameters: Hyperparameters | dict[str, Any] | None = None, lr_schedule: str = "constant",
-                 warmup: float = 0.0,
+                 warmup: float = 0.0, parallel: DataParallel | None = None,
                  collate_fn: Callable[[list], Any] = default_collate) -> tuple[nn.Module, PrivateOptimizer,
                                                                                PrivateBatches]:
     """Make a plain PyTorch loop private: the caller keeps its forward, ``loss.backward()`` and
     ``optimizer.step()``; dpopt samples the batches, clips each example, adds the noise once per logical batch and
     keeps the ledger. The sampling, noise and calibration are the ``PrivacyPlan`` of the recipe, as in
-    ``dpopt train``.
+    ``dpopt train``. Attribution is verified on three examples before anything is released.
+
+    ```python
+    import torch
+    import torch.nn.functional as F
+    from dpopt import make_private
+
+    x, y = torch.randn(80, 4), torch.randint(0, 2, (80,))
+    loss_fn = lambda model, batch: F.cross_entropy(model(batch[0]), batch[1], reduction="none")  # one per example
+    model = torch.nn.Linear(4, 2)
+    model, optimizer, batches = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), loss_fn,
+                                             noise_multiplier=1.0, batch_size=4, epochs=2, physical_batch_size=2)
+    for epoch in range(2):           # or epsilon=3.0 above: the noise is then calibrated to the run
+        for batch in batches:        # a Poisson batch of about 4 examples, in physical batches of at most 2
+            optimizer.zero_grad()
+            loss_fn(model, batch).mean().backward()
+            optimizer.step()         # one release (noise, ledger) after a logical batch's last physical batch
+    assert optimizer.ledger.steps == 40                 # 20 logical steps per epoch
+    print(optimizer.statement())     # epsilon at the run's delta, and what the guarantee covers
+    ```
+
+    A recipe (``algorithm=``) that evaluates the loss several times per step (DiSK, SRG, zeroth-order) takes a
+    closure returning the per-example losses instead of the caller's backward:
+
+    ```python
+    model = torch.nn.Linear(4, 2)
+    model, optimizer, batches = make_private(model, None, (x, y), loss_fn, algorithm="disk-adam", batch_size=4,
+                                             noise_multiplier=1.0, hyperparameters={"lr": 0.01, "kappa": 0.5})
+    for batch in batches:
+        optimizer.step(lambda: loss_fn(model, batch))
+    assert optimizer.ledger.steps == 20
+    ```
 
     :param model: the model; its trainable parameters are the ones trained (freeze the others first).
     :param optimizer: a torch optimizer over exactly those parameters (DP-SGD's mechanism: Poisson batches, iid
@@ -268,6 +386,9 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | None, data
     :param lr_schedule: a recipe's learning-rate schedule over the run: ``constant``, ``cosine`` or ``linear``;
         attach a ``torch.optim.lr_scheduler`` to a torch optimizer instead.
     :param warmup: a linear warm-up of that learning rate: a fraction of the run if below 1, else steps.
+    :param parallel: the process group of a model sharded with ``fully_shard`` (every rank calls ``make_private``
+        with the same arguments; see docs/distributed.md): each rank trains its shards, the loop passes a closure,
+        ``optimizer.step(lambda: loss_fn(model, batch))``, and the run is the unsharded one.
     :param collate_fn: makes a batch of a map-style dataset's examples.
     :returns: the model, a ``PrivateOptimizer`` (a ``torch.optim.Optimizer``: ``zero_grad()``, ``step()`` or
         ``step(closure)``, ``epsilon()``, ``statement()``, ``state_dict()``) and the ``PrivateBatches`` of one epoch.
@@ -285,12 +406,12 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | None, data
                          "torch.optim.lr_scheduler to your torch optimizer instead")
     data, n = _indexable(data, collate_fn)
     engine = PerExampleEngine(model, loss_fn)
-    key = secret_key(secret_seed)
+    key = secret_key(secret_seed) if parallel is None else parallel.from_lead(lambda: secret_key(secret_seed))
     plan = PrivacyPlan(algorithm or "dp-sgd", n, batch_size, epochs, steps, epsilon=epsilon,
                        noise_multiplier=noise_multiplier, delta=delta, clip=clip, clipping=clipping, noise=noise,
                        sampling=sampling, bands=bands, workload=workload, tree_decoder=tree_decoder,
                        accountant=accountant, relation=relation, hyperparameters=hyperparameters).resolved(_log.info)
-    privatizer = plan.make(key, _log.info)
+    privatizer = plan.make(key, _log.info, parallel)
     if optimizer is None:
         total = plan.total_steps(privatizer.sampler)
         dp = build_algorithm(plan.algorithm, engine, privatizer, plan.hyperparameters.for_run(total))
@@ -299,6 +420,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer | None, data
         _check_optimizer(optimizer, engine)
         dp = PrivateStep(engine, privatizer, optimizer)
     dp.physical_batch_size = physical_batch_size
+    if parallel is not None:
+        dp = ShardedStep(dp, plan.algorithm)
     if not dp.verified:  # as PrivateStep.step: not for a statistic that is no per-example gradient (zeroth-order)
         dp.verify(data)
     private = PrivateOptimizer(dp, loss_reduction == "mean", key, delta)

@@ -29,3 +29,25 @@ BROKEN = {
     "noise-halved": (GaussianNoise, "std", property(lambda self: self.noise_multiplier * self.sensitivity / 2)),
     "wrong-sampling-rate": (PoissonSampler, "__init__", _undercounting_sampler),
 }
+
+
+# Sharded training's two classic bugs (tests/test_sharded.py): each must make a sharded run differ from the
+# unsharded one.
+from dpopt import sharded  # noqa: E402
+
+_release = sharded.ShardedStep._release
+
+
+def _noise_on_every_rank(self: sharded.ShardedStep, grads: list[torch.Tensor]) -> None:
+    """Every rank noises its whole clipped sum before the reduce-scatter adds them: W draws per coordinate (the
+    same draw W times under one secret key)."""
+    noise = self.privatizer.noise
+    for _ in range(self.parallel.world_size - 1):
+        noise.stream.add_normal_segments_(self.ownership.segments(grads), self.ownership.total, self.steps, noise.std)
+    _release(self, grads)
+
+
+SHARDED_BROKEN = {
+    "averaging-left-on": (sharded, "summing", lambda model: None),  # FSDP2's default: the sum divided by W
+    "noise-on-every-rank": (sharded.ShardedStep, "_release", _noise_on_every_rank),
+}

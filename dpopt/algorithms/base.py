@@ -43,6 +43,45 @@ if TYPE_CHECKING:
 
 @dataclass
 class Privatizer:
+    """The privacy of a step's statistic: draws each logical batch, clips each example's contribution, adds the
+    noise once per logical batch and records the release in the ledger. ``PrivacyPlan.make`` builds the one of a
+    run; built by hand, its parts must agree, which is checked here.
+
+    ```python
+    import torch
+    import torch.nn.functional as F
+    from dpopt import DiSKAdam, PrivacyLedger
+    from dpopt.algorithms import Privatizer, build_algorithm
+    from dpopt.clipping import Clipping
+    from dpopt.data.samplers import PoissonSampler
+    from dpopt.grad import PerExampleEngine
+    from dpopt.noise.gaussian import GaussianNoise
+    from dpopt.noise.rng import SecretStream, secret_key
+
+    x, y = torch.randn(80, 4), torch.randint(0, 2, (80,))
+    model = torch.nn.Linear(4, 2)
+    loss = lambda model, batch: F.cross_entropy(model(batch[0]), batch[1], reduction="none")  # one per example
+    key = secret_key()                  # 256 bits of OS entropy
+    sampler = PoissonSampler.with_batch_size(80, 4, SecretStream(key, "sampling"))
+    noise = GaussianNoise(1.0, 1.0, SecretStream(key, "noise"))    # z = 1 (noise_multiplier_for: z of a target)
+    privatizer = Privatizer(Clipping(1.0), noise, sampler, PrivacyLedger())
+    step = build_algorithm("disk-adam", PerExampleEngine(model, loss), privatizer, DiSKAdam(lr=0.01),
+                           physical_batch_size=2)
+    for _ in range(4):
+        step.step((x, y))               # samples its Poisson batch, clips, adds the noise once, records, updates
+    assert privatizer.ledger.steps == 4
+    ```
+
+    :param clipping: the per-example clipping; its bound is the sensitivity.
+    :param noise: the noise mechanism (``GaussianNoise``, or correlated noise), calibrated to that sensitivity.
+    :param sampler: draws each step's batch from its secret stream (``PoissonSampler``, ...).
+    :param ledger: where each release is recorded.
+    :param parallel: a ``DataParallel`` group whose processes share each step (None: one process).
+    :raises ValueError: for noise of another sensitivity than the clipping's, a sampler that claims Poisson
+        amplification without being dpopt's ``PoissonSampler``, a batch normaliser <= 0, or a sampling the noise
+        mechanism cannot account (``AccountingError``).
+    """
+
     clipping: Clipping
     noise: GaussianNoise | CorrelatedNoise
     sampler: Sampler

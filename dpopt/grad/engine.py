@@ -54,6 +54,15 @@ class PerExampleEngine:
 
     ``strategy`` decides per layer whether an ``Outer`` capture is kept factored (ghost norms and the
     book-keeping sum) or materialised at once: "auto" keeps whichever form holds fewer elements.
+
+    :param model: the model; its parameters with ``requires_grad`` are the ones trained.
+    :param loss_fn: ``loss_fn(model, batch) -> [B]``, one loss per example.
+    :param mode: ``hooks`` (module hooks, with ``torch.func`` where a layer needs it) or ``vmap`` (``torch.func``
+        over the whole model: the reference, fp32 only).
+    :param strategy: ``auto``, ``materialize`` (always materialised) or ``ghost`` (always kept factored).
+    :param precision: the forward's precision: ``fp32``, ``bf16``, or ``fp16`` (CUDA only).
+    :raises ValueError: for an unknown mode, strategy or precision, fp16 off CUDA, ``vmap`` with a precision
+        other than fp32, or a model with no trainable parameter.
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, mode: str = "hooks", strategy: str = "auto",
@@ -181,13 +190,27 @@ class PerExampleEngine:
 
     def verify(self, batch: Any, examples: int = 3, rtol: float = 1e-3) -> None:
         """Refuse a model whose per-example gradients are not attributed to the right examples
-        (``verify.check_attribution``). Reads the batch, releases nothing."""
+        (``verify.check_attribution``). Reads the batch, releases nothing.
+
+        :param batch: a batch of at least ``examples`` distinct examples.
+        :param examples: how many examples' gradients are compared with one autograd backward each (>= 3).
+        :param rtol: the relative tolerance of that comparison.
+        :raises ValueError: for too few examples, or a model or loss that mixes examples (``ExampleMixingError``)
+            or whose gradients are attributed to the wrong examples.
+        """
         check_attribution(self, batch, examples, rtol)
 
     # --- evaluation --------------------------------------------------------------------------------
     def gradients(self, batch: Any, at: Sequence[torch.Tensor] | None = None) -> PerExampleGradients:
         """Per-example gradients of the loss on ``batch`` at the current parameters, or at ``at``
-        (one tensor per trainable parameter, in ``self.params`` order). Parameters are not modified."""
+        (one tensor per trainable parameter, in ``self.params`` order). Parameters are not modified.
+
+        :param batch: the examples, on dimension 0 of each tensor.
+        :param at: the point to take them at (None: the current parameters).
+        :returns: the per-example gradients, possibly held factored (their norms and clipped sums are read
+            from them by ``Privatizer.clip``).
+        :raises ValueError: for a model that computes batch statistics, or ``at`` of the wrong length.
+        """
         self.check_no_mixing()
         b = batch_size_of(batch)
         values = self.params if at is None else list(at)
@@ -249,7 +272,12 @@ class PerExampleEngine:
         """Hooks that record the per-example gradients of the next forward and backward the caller runs
         itself (``loss.backward()`` of a plain training loop), for a batch of ``batch_size`` examples whose
         loss is the mean (``mean``) or the sum of per-example losses. ``remove()`` the recording after the
-        backward, then ``gradients()``. Forwards without gradients (evaluation) are not recorded."""
+        backward, then ``gradients()``. Forwards without gradients (evaluation) are not recorded.
+
+        :param batch_size: the number of examples of the batch the caller will run.
+        :param mean: whether the caller's loss is the mean of the per-example losses (else their sum).
+        :returns: the recording.
+        """
         detached = [p.detach() for p in self.params]
         return Recording(self, batch_size, detached, (batch_size if mean else 1.0) / self._scale, None)
 

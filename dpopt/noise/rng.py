@@ -46,17 +46,24 @@ def public_generator(seed: int, *labels: object, device: torch.device | str = "c
 
 
 def secret_key(secret_seed: int | None = None) -> int | bytes:
-    """The root of a run's secret streams: 256 bits of OS entropy, or the replayable ``secret_seed`` if given."""
+    """The root of a run's secret streams: 256 bits of OS entropy, or the replayable ``secret_seed`` if given.
+
+    :param secret_seed: an integer that makes the run's sampling and noise replayable (tests, reproductions);
+        None for a fresh key. Whoever knows the key can replay the noise: keep it private.
+    :returns: the key, for ``SecretStream(key, label)``.
+    """
     return secrets.token_bytes(32) if secret_seed is None else secret_seed
 
 
 class SecretStream:
     """Secret randomness for one purpose (``label``), indexed by step.
 
-    ``key``: a run's ``secret_key`` (bytes: OS entropy; each step's generators are seeded through SHA-256 of
-    the whole key, so recovering one step's 63-bit generator seed tells nothing about another step's), an
-    integer secret seed (replayable), or None for secure mode: every draw comes from ``os.urandom`` and
-    cannot be replayed.
+    :param key: a run's ``secret_key`` (bytes: OS entropy; each step's generators are seeded through SHA-256 of
+        the whole key, so recovering one step's 63-bit generator seed tells nothing about another step's), an
+        integer secret seed (replayable), or None for secure mode: every draw comes from ``os.urandom`` and
+        cannot be replayed.
+    :param label: the stream's purpose (``"sampling"``, ``"noise"``): streams of one key with different labels
+        are independent.
     """
 
     def __init__(self, key: int | bytes | None, label: str) -> None:
@@ -68,6 +75,10 @@ class SecretStream:
             self._key = None if key is None else derive_seed(key, "secret", label)
 
     def generator(self, step: int, device: torch.device | str = "cpu") -> torch.Generator:
+        """The generator of step ``step``'s draws, on ``device``.
+
+        :raises RuntimeError: in secure mode (no key), which has no replayable generator.
+        """
         if self.secure:
             raise RuntimeError("a secure stream has no replayable generator; use normal()/uniform()")
         g = torch.Generator(device=device)
@@ -109,6 +120,20 @@ class SecretStream:
                              f"is needed, got shape {tuple(flat.shape)}")
         self._add([(offset, flat)], total, step, std)
         return flat
+
+    def add_normal_segments_(self, segments: list[tuple[int, torch.Tensor]], total: int, step: int,
+                             std: float = 1.0) -> None:
+        """Adds ``std`` times the noise of a flat statistic of ``total`` elements to pieces of it held apart: each
+        (first coordinate, 1-D tensor) segment gets exactly its coordinates' part of the whole statistic's draw,
+        each overlapping chunk drawn once for all the segments (a rank's shards of a sharded model).
+
+        :raises ValueError: for a segment outside [0, total) or not 1-D."""
+        for start, seg in segments:
+            if seg.dim() != 1 or start < 0 or start + seg.numel() > total:
+                raise ValueError(f"a 1-D segment within [0, {total}) is needed, got shape {tuple(seg.shape)} at "
+                                 f"{start}")
+        kept = sorted(((start, seg) for start, seg in segments if seg.numel()), key=lambda s: s[0])
+        self._add(kept, total, step, std)
 
     def _add(self, segments: list[tuple[int, torch.Tensor]], total: int, step: int, std: float) -> None:
         """Adds the noise of each (start coordinate, 1-D tensor) segment of a statistic of ``total`` elements."""

@@ -18,10 +18,11 @@ from dpopt.device import resolve_device, to_device
 from dpopt.distributed import DataParallel
 from dpopt.grad.engine import PerExampleEngine
 from dpopt.grad.verify import check_per_example
-from dpopt.models import MODEL_TRAINABLE, build_model, hf_folder
+from dpopt.models import MODEL_TRAINABLE, build_model, text_encoder
 from dpopt.names import flag
 from dpopt.noise.rng import derive_seed, secret_key
 from dpopt.privacy import PrivacyLedger
+from dpopt.sharded import ShardedStep, device_mesh, shard_model
 from dpopt.run.config import DEFAULT_BATCH, DEFAULT_PHYSICAL_BATCH, TrainConfig
 from dpopt.task import classification_loss
 
@@ -39,13 +40,18 @@ class Run:
     total_steps: int
     secret_key: int | bytes | None  # private: the checkpoint holds it, nothing else may
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is sharded over the ranks (FSDP2): saving it and evaluating it involve every rank."""
+        return isinstance(self.optimizer, ShardedStep)
+
 
 def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel: DataParallel | None = None,
               key: int | bytes | None = None) -> Run:
     """The run of ``config``; ``key`` is its secret key when resuming (None: a new one, see ``secret_key``)."""
     config.validate()
     data = load_dataset(config.dataset, config.download, config.text_column, config.label_column,
-                        hf_folder(config.model))
+                        text_encoder(config.model))
     if data.note is not None:
         log(data.note)
     n = len(data)
@@ -62,6 +68,9 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel:
         default = config.trainable == MODEL_TRAINABLE.get(config.model)
         log(freeze_all_but(model, config.trainable)
             + (f" ({config.model}'s default; --trainable . trains every weight)" if default else ""))
+    sharded = parallel is not None and parallel.sharded
+    if sharded:
+        shard_model(model, device_mesh(parallel, device))
     engine = PerExampleEngine(model, classification_loss, config.per_example, config.strategy, config.precision)
     engine.check_no_mixing()
     check_per_example(model, classification_loss, to_device(take(data.train, torch.arange(min(8, n))), device))
@@ -85,6 +94,8 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel:
     if physical > n:
         raise ValueError(f"the physical batch size ({physical}) exceeds the {n} training examples")
     optimizer = build_algorithm(config.algorithm, engine, privatizer, config.hyperparameters, physical)
+    if sharded:
+        optimizer = ShardedStep(optimizer, config.algorithm)
     optimizer.schedule = config.schedule.for_run(total)
     return Run(config, data, model, optimizer, sampler, ledger, total, key)
 

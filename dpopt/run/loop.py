@@ -33,6 +33,7 @@ from dpopt.run.build import build_run
 from dpopt.run.config import TrainConfig
 from dpopt.export import MODEL_DIR, export_model
 from dpopt.run.outputs import bar_epsilon, chance_warning, metrics_of, write_metrics
+from dpopt.sharded import gathered
 from dpopt.run.state import checkpoint_state, restore, saved_key, saved_steps_per_epoch
 from dpopt.task import accuracy
 
@@ -70,7 +71,7 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
         epoch_nonfinite = int(_resume_state.get("epoch_nonfinite", 0))
         epoch_clipped = list(_resume_state.get("epoch_clipped", [0, 0]))
         wall, cpu = float(_resume_state["wall_time_s"]), float(_resume_state["cpu_time_s"])
-    if parallel is not None:
+    if parallel is not None and not run.sharded:  # sharded: every rank built the same model, then kept its shards
         parallel.broadcast_(run.optimizer.params)  # rank 0's starting point everywhere
     per_epoch, every = run.sampler.steps_per_epoch, config.checkpoint_every
     nonfinite = sum(h.get("nonfinite", 0) for h in history)
@@ -94,24 +95,29 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
                                 acc=f"{history[-1]['test_accuracy']:.4f}" if history else "-",
                                 eps=bar_epsilon(run.ledger, config.delta), refresh=False)
                 bar.update()
-            if out is not None and every and steps % every == 0 and steps % per_epoch:  # epoch ends: below
-                save_checkpoint(out, checkpoint_state(run, history, time.perf_counter() - start,
-                                                      time.process_time() - cpu_start, losses, epoch_nonfinite,
-                                                      epoch_clipped))
+            if (out is not None or run.sharded) and every and steps % every == 0 and steps % per_epoch:  # epoch
+                # ends: below. A sharded run's ranks all gather the state that rank 0 writes.
+                state = checkpoint_state(run, history, time.perf_counter() - start, time.process_time() - cpu_start,
+                                         losses, epoch_nonfinite, epoch_clipped)
+                if out is not None:
+                    save_checkpoint(out, state)
         bar.close()
         if epoch_nonfinite and (parallel is None or parallel.lead):
             warnings.warn(f"{epoch_nonfinite} examples had non-finite gradients in epoch {epoch + 1}; "
                           "they contributed zero to the update", stacklevel=2)
         nonfinite += epoch_nonfinite
-        acc = accuracy(run.model, run.data.test, parallel=parallel)
+        acc = accuracy(run.model, run.data.test, parallel=None if run.sharded else parallel)  # sharded: every
+        # rank evaluates the whole test set, so that all run the same forwards (FSDP2's gathers are collective)
         eps = run.ledger.epsilon(config.delta)
         history.append({"epoch": epoch + 1, "step": run.optimizer.steps, "test_accuracy": acc, "epsilon": eps,
                         "train_loss": sum(losses) / max(1, len(losses)), "nonfinite": epoch_nonfinite,
                         "clipped_fraction": epoch_clipped[0] / max(1, epoch_clipped[1])})
         losses, epoch_nonfinite, epoch_clipped = [], 0, [0, 0]
-        if out is not None:
+        if out is not None or run.sharded:
             wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-            save_checkpoint(out, checkpoint_state(run, history, wall, cpu, losses, epoch_nonfinite, epoch_clipped))
+            state = checkpoint_state(run, history, wall, cpu, losses, epoch_nonfinite, epoch_clipped)
+        if out is not None:
+            save_checkpoint(out, state)
             write_metrics(out, metrics_of(run, history, nonfinite, wall, cpu, finished=False))
         if writer is not None:
             for key, value in history[-1].items():
@@ -125,9 +131,10 @@ def train(config: TrainConfig, out: str | Path | None = None, progress: bool = T
         metrics["warning"] = warning
         if parallel is None or parallel.lead:
             warnings.warn(warning, stacklevel=2)
+    weights = gathered(run.model.state_dict()) if run.sharded else None  # every rank gathers, rank 0 writes
     if out is not None:
         write_metrics(out, metrics)
-        export_model(run.model, Path(out, MODEL_DIR), hf_folder(config.model))
+        export_model(run.model, Path(out, MODEL_DIR), hf_folder(config.model), weights)
         if plot_curves(history, out / CURVES) is None:
             log(f"matplotlib is not installed: no {CURVES} (pip install matplotlib)")
     if writer is not None:

@@ -10,11 +10,13 @@ from dpopt.checkpoint import CheckpointError
 from dpopt.data.samplers import sampler_state
 from dpopt.privacy import PrivacyLedger
 from dpopt.run.build import Run
+from dpopt.sharded import gathered, load_model_state
 
 
 def checkpoint_state(run: Run, history: list[dict[str, Any]], wall: float, cpu: float, epoch_losses: list[float],
                      epoch_nonfinite: int, epoch_clipped: tuple[int, int] | list[int] = (0, 0)) -> dict[str, Any]:
-    """A checkpoint: model, optimizer, ledger, sampler and RNG state, and the current epoch's partial statistics.
+    """A checkpoint: model, optimizer, ledger, sampler and RNG state, and the current epoch's partial statistics
+    (a sharded run's gathered on every rank: the unsharded run's format).
     The secret streams and the sampler are counter-based (their state is the run's secret key plus the next
     step: the key makes the checkpoint private); the public torch generator is re-seeded every step and is
     saved as well."""
@@ -23,7 +25,7 @@ def checkpoint_state(run: Run, history: list[dict[str, Any]], wall: float, cpu: 
         raise RuntimeError(f"refusing to checkpoint: the ledger holds {run.ledger.steps} releases but the "
                            f"optimizer took {steps} steps")
     return {"format": "dpopt-checkpoint-1", "config": run.config.to_dict(),
-            "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
+            "model": gathered(run.model.state_dict()), "optimizer": run.optimizer.state_dict(),
             "ledger": run.ledger.to_dict(), "step": steps, "sampler": sampler_state(run.sampler, steps),
             "rng": {"torch": torch.get_rng_state(), "secret_next_step": steps, "secure": run.config.secure,
                     "secret_key": run.secret_key},
@@ -58,7 +60,10 @@ def saved_steps_per_epoch(state: dict[str, Any]) -> int:
 def restore(run: Run, state: dict[str, Any]) -> None:
     """Load a checkpoint into a freshly built run; refuses one that this config does not rebuild exactly."""
     check_complete(state)
-    run.model.load_state_dict(state["model"])
+    if run.sharded:
+        load_model_state(run.model, state["model"])
+    else:
+        run.model.load_state_dict(state["model"])
     run.optimizer.load_state_dict(state["optimizer"])
     run.ledger.entries = PrivacyLedger.from_dict(state["ledger"]).entries
     if run.ledger.steps != run.optimizer.steps:
