@@ -18,13 +18,16 @@ own process, timed and measured side by side.
   same system then runs in two speeds. ``--steady-heap`` runs every system (all alike) with a heap that keeps
   what it freed (``STEADY_HEAP``), which leaves the compute alone to compare.
 
-Systems: ``pytorch`` (non-private), ``dpopt`` (DP, ghost norms and book-keeping sums where cheaper),
+Systems: ``pytorch`` (non-private), ``inference`` (the forward pass and per-example losses alone, in eval mode
+under ``torch.no_grad``: the floor of any step's memory, DPZero's reference), ``dpopt`` (DP, ghost norms and
+book-keeping sums where cheaper),
 ``dpopt-materialize`` (DP, every Linear/Conv per-example gradient materialised; embedding rows stay sparse),
 ``opacus-hooks`` (every per-example gradient materialised) and ``opacus-ghost``, ``dp-grape`` (projected
 per-example gradients of rank ``--rank``, projected Adam), ``dp-galore`` (naive DP-GaLore) and ``galore``
 (non-private GaLore); the last three use their own projected Adam whatever ``--optimizer`` says; ``dpzero``
-(DPZero: two forward passes, no backward, no optimizer state); ``disk-sgd`` (DiSK's two-point statistic,
-kappa 0.7, gamma 0.5), ``dp-srg-memf`` (the SRG difference g(x_t) - g(x_t-1); iid noise here) and
+(DPZero: two forward passes, no backward, no optimizer state); ``disk-sgd`` and ``disk-adam`` (DiSK's
+two-point statistic, kappa 0.7, gamma 0.5, on SGD or Adam), ``dp-srg-memf`` (the SRG difference g(x_t) -
+g(x_t-1); iid noise here) and
 ``accel-dp-srgd`` (the weighted difference eta g(x_t) - (eta - 1) g(x_t-1), eta = t + 1; iid noise here).
 
 ``--device`` (default cpu) puts every system's model, data and step on that device (on CUDA a step is timed to
@@ -35,7 +38,10 @@ Workloads: ``cnn`` — the 28x28 Tanh CNN (dpopt.models.cnn) on random images; `
 (dpopt.models.mlp: 784 -> 128 -> 10, one row per example) on random images; ``vit`` — ``vit-tiny`` (dpopt.models,
 a Hugging Face ViT: patches of 7, 4 layers, hidden 64; 72 small parameter tensors) on random images; ``bert`` — a BERT-shaped
 Hugging Face model (6 layers, hidden 384, 12 heads, intermediate 1536: MiniLM's shape, random weights) on
-random token ids. Every DP system uses noise multiplier 1 and clip norm 1 with fixed-size batches.
+random token ids; ``opt-125m`` ... ``opt-30b``, ``llama-1b``, ``llama-3b``, ``llama-7b`` — causal language
+models of those checkpoints' shapes with random weights (``dpopt.model_shapes``; batch 8, sequence 128 by
+default) on random token ids, each example's loss its sequence's mean next-token cross-entropy. Every DP system
+uses noise multiplier 1 and clip norm 1 with fixed-size batches.
 Opacus gets explicit ``position_ids`` and ``token_type_ids`` on BERT (without them its hooks fail on a
 stock model); dpopt gets the stock inputs.
 
@@ -69,15 +75,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from dpopt import model_shapes
 from dpopt.device import add_device_arguments, autocast, autocast_dtype, resolve_device, to_device
 from dpopt.extras import require
 
-SYSTEMS = ("pytorch", "dpopt", "dpopt-materialize", "opacus-hooks", "opacus-ghost", "dp-grape", "dp-galore",
-           "galore", "dpzero", "disk-sgd", "dp-srg-memf", "accel-dp-srgd")
+SYSTEMS = ("pytorch", "inference", "dpopt", "dpopt-materialize", "opacus-hooks", "opacus-ghost", "dp-grape",
+           "dp-galore", "galore", "dpzero", "disk-sgd", "disk-adam", "dp-srg-memf", "accel-dp-srgd")
 DEFAULT_SYSTEMS = ("pytorch", "dpopt", "opacus-hooks", "opacus-ghost")
-WORKLOADS = ("cnn", "mlp", "vit", "bert", "minilm")
+WORKLOADS = ("cnn", "mlp", "vit", "bert", "minilm")  # and the causal language models of model_shapes.SHAPES
 # A workload's batch where --batch is not given; with no flags, the bench times the CNN (about a minute).
 DEFAULT_BATCH = {"cnn": 256, "mlp": 256, "vit": 64, "bert": 32, "minilm": 32}
+LM_BATCH, LM_SEQ = 8, 128  # a causal language model's batch and sequence length where not given
 DEFAULT_WORKLOAD = "cnn"
 # glibc: no trimming of the heap's top, and allocations up to 32 MiB (glibc's cap) from the heap, not mmap.
 STEADY_HEAP = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(1 << 25)}
@@ -100,10 +108,29 @@ class Case:
 
     @property
     def label(self) -> str:
-        seq = f" s{self.seq}" if self.workload in ("bert", "minilm") else ""
+        seq = f" s{self.seq}" if self.workload in ("bert", "minilm") or is_language_model(self.workload) else ""
         physical = f" p{self.physical}" if self.physical else ""
         extra = "".join(f" {v}" for v, d in ((self.device, "cpu"), (self.precision, "fp32")) if v != d)
         return f"{self.workload} b{self.batch}{seq}{physical} {self.optimizer}{extra}"
+
+
+def is_language_model(workload: str) -> bool:
+    """Whether ``workload`` is a causal language model of ``model_shapes.SHAPES``."""
+    return workload in model_shapes.SHAPES
+
+
+def check_workload(name: str) -> str:
+    """``name`` if it is a workload.
+
+    :raises ValueError: one line with a "did you mean", naming the workloads and model sizes.
+    """
+    if name not in WORKLOADS and not is_language_model(name):
+        from dpopt.cli import did_you_mean
+
+        kind = "model size" if name.startswith(("opt", "llama")) else "workload"
+        raise ValueError(f"unknown {kind} {name!r}{did_you_mean(name, [*WORKLOADS, *model_shapes.SHAPES])} "
+                         f"(workloads: {', '.join(WORKLOADS)}; model sizes: {', '.join(model_shapes.SHAPES)})")
+    return name
 
 
 def _rss_mb(key: str) -> float:
@@ -147,10 +174,13 @@ def _workload(case: Case, system: str) -> tuple[nn.Module, Any, Callable]:
 
 
 def _cpu_workload(case: Case, system: str) -> tuple[nn.Module, Any, Callable]:
-    if case.workload not in WORKLOADS:
-        raise ValueError(f"unknown workload {case.workload!r}; choose one of {', '.join(WORKLOADS)}")
+    check_workload(case.workload)
     torch.manual_seed(0)
     batch, seq = case.batch, case.seq
+    if is_language_model(case.workload):
+        model = model_shapes.build(case.workload)
+        ids = torch.randint(0, model.config.vocab_size, (batch, seq))
+        return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, model_shapes.causal_lm_loss
     if case.workload in ("cnn", "mlp"):
         from dpopt.models import cnn, mlp
 
@@ -191,7 +221,7 @@ def _step_fn(system: str, case: Case, model: nn.Module, dataset: Any, loss: Call
     would (dpopt's sampler does it inside the step)."""
     from dpopt.data.samplers import take
 
-    n = len(dataset[1]) if isinstance(dataset, tuple) else len(dataset["labels"])
+    n = len(dataset[1]) if isinstance(dataset, tuple) else len(next(iter(dataset.values())))
     device = resolve_device(case.device)
     index = torch.arange(n, device=device)
     cast = functools.partial(autocast, device, autocast_dtype(case.precision, device))
@@ -206,6 +236,15 @@ def _step_fn(system: str, case: Case, model: nn.Module, dataset: Any, loss: Call
             opt.zero_grad(set_to_none=True)
 
         return step
+    if system == "inference":  # the forward pass alone: the least memory any step of this model can take
+        model.eval()
+
+        @torch.no_grad()
+        def forward() -> None:
+            with cast():
+                loss(model, take(dataset, index))
+
+        return forward
     if system == "galore":  # non-private GaLore (SVD projections of the batch gradient, projected Adam)
         from dpopt.algorithms.grape import GaLore
 
@@ -219,8 +258,8 @@ def _step_fn(system: str, case: Case, model: nn.Module, dataset: Any, loss: Call
             galore.zero_grad()
 
         return galore_step
-    if system in ("dpopt", "dpopt-materialize", "dp-grape", "dp-galore", "dpzero", "disk-sgd", "dp-srg-memf",
-                  "accel-dp-srgd"):
+    if system in ("dpopt", "dpopt-materialize", "dp-grape", "dp-galore", "dpzero", "disk-sgd", "disk-adam",
+                  "dp-srg-memf", "accel-dp-srgd"):
         from dpopt.algorithms import CONFIGS, Privatizer, build_algorithm, settings_of
         from dpopt.clipping import Clipping
         from dpopt.data.samplers import FixedOrderSampler
@@ -294,7 +333,8 @@ def peak_mb(step: Callable[[], None], device: torch.device) -> float:
 
 
 def worker(system: str, case: Case, warmup: int, steps: int) -> dict[str, float]:
-    """Measure one system in this process."""
+    """Measure one system in this process. With ``steps`` 0 the one step whose peak memory is measured is also the
+    one timed (under the profiler: for steps of seconds or more, where its per-operation cost is negligible)."""
     torch.set_num_threads(case.threads)
     device = resolve_device(case.device)
     model, data, loss = _workload(case, system)
@@ -304,16 +344,25 @@ def worker(system: str, case: Case, warmup: int, steps: int) -> dict[str, float]
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS
     times, cpu = [], []
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(steps):
+
+    def timed() -> None:
         start, start_cpu = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
-    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps
+
+    if steps:
+        for _ in range(steps):
+            timed()
+        faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps
+        peak = peak_mb(step, device)
+    else:  # the step whose peak is measured is the one timed
+        peak = peak_mb(timed, device)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     rss = _rss_mb("VmHWM")
     data_mb = sum(t.numel() * t.element_size() for t in tree_flatten(data)[0] if isinstance(t, torch.Tensor)) / 2**20
     return {"s_per_step": statistics.median(times), "cpu_s_per_step": statistics.median(cpu),
-            "peak_mb": peak_mb(step, device), "rss_mb": rss, "faults_per_step": faults, "data_mb": data_mb}
+            "peak_mb": peak, "rss_mb": rss, "faults_per_step": faults, "data_mb": data_mb}
 
 
 def cpu_medians_in_turn(calls: dict[str, Callable[[], object]], rounds: int, warmup: int = 0) -> dict[str, float]:
@@ -340,15 +389,27 @@ def interleaved_worker(systems: tuple[str, ...], case: Case, warmup: int, steps:
                                steps, warmup)
 
 
+def _address_space_limit(limit: int) -> Callable[[], None]:
+    """A ``preexec_fn`` capping the child's address space at ``limit`` bytes: past it an allocation fails in
+    that process alone (MemoryError or a refused allocation), not the machine."""
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    return apply
+
+
 def measure(system: str, case: Case, warmup: int = 3, steps: int = 10, timeout: float = 3600,
-            steady_heap: bool = False) -> dict[str, Any]:
+            steady_heap: bool = False, memory_limit: int | None = None) -> dict[str, Any]:
     """Run ``worker`` in a fresh process (``system`` "a+b+...": ``interleaved_worker``), with ``STEADY_HEAP`` if
-    ``steady_heap``; a failure becomes {"error": ...}."""
+    ``steady_heap`` and its address space capped at ``memory_limit`` bytes if given (CPU only: CUDA reserves
+    far more address space than it uses); a failure becomes {"error": ...}."""
     cmd = [sys.executable, "-m", "dpopt.bench", "--worker", system, "--case", json.dumps(dataclasses.asdict(case)),
            "--warmup", str(warmup), "--steps", str(steps)]
     env = {**os.environ, **STEADY_HEAP} if steady_heap else None
+    limit = _address_space_limit(memory_limit) if memory_limit else None
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, preexec_fn=limit)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     if done.returncode != 0:
@@ -443,12 +504,21 @@ SCALING = ([Case("cnn", b) for b in (64, 256, 1024, 2048)] + [Case("bert", b) fo
            + [Case("bert", 16, s) for s in (32, 64, 128, 256)])
 
 
+def _workload_argument(text: str) -> str:
+    """``check_workload`` as an argparse type."""
+    try:
+        return check_workload(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", choices=WORKLOADS,
-                   help=f"the model and data shape (default: {DEFAULT_WORKLOAD}, unless --suite or --scaling)")
+    p.add_argument("--workload", type=_workload_argument, metavar="NAME",
+                   help=f"the model and data shape: {', '.join(WORKLOADS)}, or a causal language model's size: "
+                        f"{', '.join(model_shapes.SHAPES)} (default: {DEFAULT_WORKLOAD}, unless --suite or --scaling)")
     p.add_argument("--batch", type=int, help="examples per step (default: " +
-                   ", ".join(f"{w} {b}" for w, b in DEFAULT_BATCH.items()) + ")")
-    p.add_argument("--seq", type=int, default=64, help="sequence length (bert, minilm)")
+                   ", ".join(f"{w} {b}" for w, b in DEFAULT_BATCH.items()) + f", language models {LM_BATCH})")
+    p.add_argument("--seq", type=int, help=f"sequence length (default: bert, minilm 64; language models {LM_SEQ})")
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd", help="base optimizer of every system")
     p.add_argument("--rank", type=int, default=16, help="projection rank of dp-grape, dp-galore and galore")
     p.add_argument("--threads", type=int, default=1,
@@ -514,8 +584,11 @@ def run(args: argparse.Namespace) -> int:
                  for c in (SUITE if args.suite else SCALING)]
     else:
         workload = args.workload or DEFAULT_WORKLOAD
-        cases = [Case(workload, args.batch or DEFAULT_BATCH[workload], args.seq, args.optimizer, args.rank,
-                      args.threads, args.physical_batch_size, args.device, args.precision)]
+        language_model = is_language_model(workload)
+        batch = args.batch or (LM_BATCH if language_model else DEFAULT_BATCH[workload])
+        seq = args.seq or (LM_SEQ if language_model else Case.seq)
+        cases = [Case(workload, batch, seq, args.optimizer, args.rank, args.threads, args.physical_batch_size,
+                      args.device, args.precision)]
     scaling = args.scaling and not args.suite
     systems = ("pytorch", "dpopt") if scaling else tuple(args.systems or _installed(DEFAULT_SYSTEMS))
     if any(s.startswith("opacus") for s in systems):

@@ -1,0 +1,113 @@
+"""Causal language models of real architectures at real sizes, with random weights (nothing is downloaded).
+
+``SHAPES`` holds the configuration numbers of the public OPT checkpoints (Zhang et al. 2022, Table 1:
+``facebook/opt-125m`` to ``facebook/opt-30b``) and of three Llama checkpoints (Llama 3.2 1B and 3B,
+Llama 2 7B), written out so that no configuration file is fetched. ``build`` makes the model with
+``transformers``' ``AutoModelForCausalLM.from_config`` (random initialisation); on the ``meta`` device it
+allocates nothing, which is how ``parameter_count`` sizes a 30B model in no memory.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+_OPT = {"vocab_size": 50272, "max_position_embeddings": 2048, "activation_function": "relu",
+        "do_layer_norm_before": True, "enable_bias": True}
+_LLAMA_3_2 = {"vocab_size": 128256, "intermediate_size": 8192, "num_key_value_heads": 8, "rope_theta": 500000.0,
+              "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}
+
+
+def _opt(hidden: int, layers: int, heads: int, **extra: Any) -> tuple[str, dict[str, Any]]:
+    return "opt", {**_OPT, "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+                   "ffn_dim": 4 * hidden, "word_embed_proj_dim": hidden, **extra}
+
+
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "opt-125m": _opt(768, 12, 12),
+    # OPT-350M alone projects its 512-wide embeddings in and out and normalises after each block.
+    "opt-350m": _opt(1024, 24, 16, word_embed_proj_dim=512, do_layer_norm_before=False),
+    "opt-1.3b": _opt(2048, 24, 32),
+    "opt-2.7b": _opt(2560, 32, 32),
+    "opt-6.7b": _opt(4096, 32, 32),
+    "opt-13b": _opt(5120, 40, 40),
+    "opt-30b": _opt(7168, 48, 56),
+    "llama-1b": ("llama", {**_LLAMA_3_2, "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32}),
+    "llama-3b": ("llama", {**_LLAMA_3_2, "hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 24}),
+    "llama-7b": ("llama", {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+                           "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+                           "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}),
+}
+
+
+def check_shape(name: str) -> None:
+    """:raises ValueError: ``name`` is not in ``SHAPES`` (the message lists the sizes)."""
+    if name not in SHAPES:
+        raise ValueError(f"unknown model size {name!r} (sizes: {', '.join(SHAPES)})")
+
+
+def config_of(name: str) -> Any:
+    """The ``transformers`` configuration of shape ``name``.
+
+    :param name: a key of ``SHAPES``.
+    :returns: an ``OPTConfig`` or ``LlamaConfig``.
+    :raises ValueError: an unknown name.
+    """
+    check_shape(name)
+    from transformers import LlamaConfig, OPTConfig
+
+    family, numbers = SHAPES[name]
+    return (OPTConfig if family == "opt" else LlamaConfig)(**numbers)
+
+
+def causal_lm(config: Any, device: str | torch.device = "cpu") -> nn.Module:
+    """A causal language model of ``config`` with random weights, built on ``device`` (``"meta"``: shapes only,
+    no memory), in training mode.
+
+    :param config: a ``transformers`` configuration of a causal language model.
+    :param device: where the weights are allocated.
+    :returns: the model (``AutoModelForCausalLM.from_config``).
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config)
+    finally:
+        logging.set_verbosity(verbosity)
+    return model.train()
+
+
+def build(name: str, device: str | torch.device = "cpu") -> nn.Module:
+    """``causal_lm`` of shape ``name``.
+
+    :raises ValueError: an unknown name.
+    """
+    return causal_lm(config_of(name), device)
+
+
+@functools.cache
+def parameter_count(name: str) -> int:
+    """The number of distinct parameters of shape ``name`` (tied weights once), counted on the meta device.
+
+    :raises ValueError: an unknown name.
+    """
+    return sum(p.numel() for p in build(name, "meta").parameters())
+
+
+def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-example next-token loss: the mean over positions 1..T-1 of the cross-entropy of predicting token t
+    from tokens before it, one value per example ([B], float32 even under autocast).
+
+    :param batch: ``input_ids`` [B, T] and ``attention_mask`` [B, T].
+    """
+    ids = batch["input_ids"]
+    logits = model(input_ids=ids, attention_mask=batch["attention_mask"]).logits[:, :-1]
+    losses = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
+    return losses.view(ids.shape[0], -1).mean(1)
