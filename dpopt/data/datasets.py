@@ -151,19 +151,19 @@ def mnist1d(download: bool = False) -> Dataset:
     return Dataset("mnist1d", (x(d["x"]), y(d["y"])), (x(d["x_test"]), y(d["y_test"])), 10)
 
 
-def _text(name: str) -> Callable[[bool], Dataset]:
-    def load(download: bool) -> Dataset:
+def _text(name: str) -> Callable[..., Dataset]:
+    def load(download: bool, tokenizer: Any = None) -> Dataset:
         from dpopt.data import text
 
-        return {"rotten-tomatoes": text.rotten_tomatoes, "rotten-tomatoes-512": text.rotten_tomatoes_512}[name](download)
+        loaders = {"rotten-tomatoes": text.rotten_tomatoes, "rotten-tomatoes-512": text.rotten_tomatoes_512}
+        return loaders[name](download, tokenizer=tokenizer)
 
     return load
 
 
+TEXT_DATASETS = {name: _text(name) for name in ("rotten-tomatoes", "rotten-tomatoes-512")}  # take a tokenizer
 DATASETS: dict[str, Callable[[bool], Dataset]] = {
-    "digits": digits, "mnist": mnist, "fashion-mnist": fashion_mnist, "mnist1d": mnist1d,
-    "rotten-tomatoes": _text("rotten-tomatoes"), "rotten-tomatoes-512": _text("rotten-tomatoes-512"),
-}
+    "digits": digits, "mnist": mnist, "fashion-mnist": fashion_mnist, "mnist1d": mnist1d, **TEXT_DATASETS}
 
 
 def check_dataset(name: str) -> None:
@@ -179,10 +179,13 @@ def check_dataset(name: str) -> None:
 
 
 def load_dataset(name: str, download: bool = False, text_column: str = "text", label_column: str = "label",
-                 tokenizer: str | None = None) -> Dataset:
+                 tokenizer: Any = None) -> Dataset:
     """A built-in dataset by name, or the user's own from a file or folder (``dpopt.data.files``: the columns
-    and the tokenizer folder, None for MiniLM's, apply to those)."""
+    apply to those). ``tokenizer`` tokenizes text (``dpopt.data.text.tokenize``: a tokenizer's folder, an
+    encoder such as ``dpopt.models.text_encoder("smollm2")``, or None for MiniLM's tokenizer)."""
     check_dataset(name)
+    if name in TEXT_DATASETS:
+        return TEXT_DATASETS[name](download, tokenizer)
     if name in DATASETS:
         return DATASETS[name](download)
     from dpopt.data.files import load_file

@@ -105,9 +105,9 @@ def _texts(split: Any, column: str) -> list[str]:
 
 
 def load_file(path: str | Path, text_column: str = "text", label_column: str = "label",
-              tokenizer: str | None = None) -> Dataset:
+              tokenizer: Any = None) -> Dataset:
     """The dataset in ``path`` (see the module docstring); ``tokenizer``: the folder of the tokenizer for its
-    text (None: MiniLM's)."""
+    text, or an encoder of texts and labels (``dpopt.data.text.tokenize``; None: MiniLM's tokenizer)."""
     from dpopt.data.text import tokenize
 
     check_path(path)
@@ -126,11 +126,12 @@ def load_file(path: str | Path, text_column: str = "text", label_column: str = "
                                  f"{', '.join(part.column_names)} (choose one with {flag})")
     tr_y, te_y, classes, names = _labels(train, test, label_column)
     if text_column in columns:
-        if tokenizer is not None and not any((Path(tokenizer) / f).is_file() for f in TOKENIZER_FILES):
+        if isinstance(tokenizer, str) and not any((Path(tokenizer) / f).is_file() for f in TOKENIZER_FILES):
             raise ValueError(f"the model folder {tokenizer} holds no tokenizer for the text column {text_column!r} "
                              "(save one there with tokenizer.save_pretrained)")
         train_t, test_t = (tokenize(_texts(s, text_column), y, tokenizer) for s, y in ((train, tr_y), (test, te_y)))
-        what = f"text column {text_column!r}, tokenized with {tokenizer or 'MiniLM'}'s tokenizer"
+        what = f"text column {text_column!r}, tokenized with " + (
+            f"{tokenizer}" if callable(tokenizer) else f"{tokenizer or 'MiniLM'}'s tokenizer")
     else:
         features = [c for c in columns if c != label_column]
         numeric = [c for c in features if getattr(train.features[c], "dtype", "").startswith(("int", "float", "bool"))]

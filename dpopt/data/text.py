@@ -14,6 +14,7 @@ import importlib.util
 import io
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -45,9 +46,15 @@ def _snippets() -> tuple[list[str], list[int]]:
     return [r["text"] for r in rows], [int(r["category"] == "fresh") for r in rows]
 
 
-def tokenize(texts: list[str], labels: list[int], tokenizer: str | None = None) -> dict[str, torch.Tensor]:
+Encoder = Callable[[list[str], list[int]], dict[str, torch.Tensor]]  # texts and labels -> a model's tensors
+
+
+def tokenize(texts: list[str], labels: list[int], tokenizer: str | Encoder | None = None) -> dict[str, torch.Tensor]:
     """Texts padded or cut to ``MAX_LENGTH`` tokens by the tokenizer saved in the folder ``tokenizer`` (None:
-    MiniLM's), as the tensors text models take, with the labels."""
+    MiniLM's), as the tensors text models take, with the labels; a callable ``tokenizer`` encodes them itself
+    (a prompted language model's ``PromptEncoder``)."""
+    if callable(tokenizer):
+        return tokenizer(texts, labels)
     AutoTokenizer = require("transformers", "hf", "tokenizing text").AutoTokenizer
 
     encode = AutoTokenizer.from_pretrained(tokenizer or minilm_path())
@@ -56,7 +63,10 @@ def tokenize(texts: list[str], labels: list[int], tokenizer: str | None = None) 
             "labels": torch.tensor(labels, dtype=torch.int64)}
 
 
-def rotten_tomatoes(download: bool = False, per_class: int | None = None) -> Dataset:
+def rotten_tomatoes(download: bool = False, per_class: int | None = None,
+                    tokenizer: str | Encoder | None = None) -> Dataset:
+    """The snippets (all, or ``per_class`` training examples per class), tokenized by ``tokenizer`` (see
+    ``tokenize``)."""
     from sklearn.model_selection import train_test_split
 
     texts, labels = _snippets()
@@ -68,8 +78,8 @@ def rotten_tomatoes(download: bool = False, per_class: int | None = None) -> Dat
                           for c in (0, 1)]).sort().values.tolist()
         tr_x, tr_y = [tr_x[i] for i in keep], [tr_y[i] for i in keep]
     name = "rotten-tomatoes" if per_class is None else f"rotten-tomatoes-{per_class}"
-    return Dataset(name, tokenize(tr_x, tr_y), tokenize(te_x, te_y), 2)
+    return Dataset(name, tokenize(tr_x, tr_y, tokenizer), tokenize(te_x, te_y, tokenizer), 2)
 
 
-def rotten_tomatoes_512(download: bool = False) -> Dataset:
-    return rotten_tomatoes(download, per_class=512)
+def rotten_tomatoes_512(download: bool = False, tokenizer: str | Encoder | None = None) -> Dataset:
+    return rotten_tomatoes(download, per_class=512, tokenizer=tokenizer)
