@@ -32,6 +32,17 @@ CLIP_MODES = ("flat", "per-layer", "automatic")
 
 @dataclass(frozen=True)
 class Clipping:
+    """Stage 3's bound on each example's contribution (the module docstring has the modes' formulas); its
+    ``sensitivity`` is the bound C under every mode.
+
+    :param bound: the clip bound C (finite, > 0).
+    :param mode: ``flat`` (all parameters together), ``per-layer`` (each layer to C / sqrt(L)) or ``automatic``
+        (every example normalised: Bu et al. 2023).
+    :param stability: automatic clipping's term in g * C / (||g|| + stability) (> 0).
+    :raises ValueError: for a bound that is not a finite number > 0, an unknown mode, or automatic clipping with
+        stability <= 0.
+    """
+
     bound: float
     mode: str = "flat"
     stability: float = 0.01
@@ -46,6 +57,7 @@ class Clipping:
 
     @property
     def sensitivity(self) -> float:
+        """The L2 bound on one example's contribution to the clipped sum, under add-remove neighbours: C."""
         return float(self.bound)
 
     def weights(self, sq_norms: torch.Tensor, groups: list[int],

@@ -1,4 +1,4 @@
-"""Private training inside a Hugging Face ``Trainer`` (issue 22): ``TrainingArguments`` as users know them, and
+"""Private training inside a Hugging Face ``Trainer``: ``TrainingArguments`` as users know them, and
 one more argument::
 
     args = TrainingArguments("out", per_device_train_batch_size=32,       # the physical batch
@@ -42,12 +42,42 @@ from dpopt.privacy import PrivacyLedger
 
 @dataclass
 class PrivacyArguments:
-    """The privacy side of a run; everything else is ``TrainingArguments``. Give ``epsilon`` (the noise is
-    calibrated to the run's steps) or ``noise_multiplier``. ``batch_size`` is the expected logical batch;
-    ``algorithm`` None trains with the Trainer's own optimizer (AdamW by default: DP-AdamW), or a dpopt recipe
-    ("dp-grape", "disk-adam", ...) with ``learning_rate`` and ``weight_decay`` from ``TrainingArguments`` and
-    its other ``hyperparameters`` (e.g. {"rank": 4}). ``secret_seed`` makes
-    the noise replayable (tests, reproductions); by default the key is fresh OS entropy."""
+    """The privacy side of a ``PrivateTrainer`` run; everything else is ``TrainingArguments``. Give ``epsilon``
+    (the noise is calibrated to the run's steps: ``num_train_epochs``, or ``max_steps`` where > 0) or
+    ``noise_multiplier``. ``algorithm`` None trains with the Trainer's own optimizer (AdamW by default: DP-AdamW,
+    with the Trainer's schedule), or a dpopt recipe (``dpopt.ALGORITHMS``: "dp-grape", "disk-adam", ...) with
+    ``learning_rate`` and ``weight_decay`` from ``TrainingArguments`` and its other ``hyperparameters``.
+    The settings are checked when the Trainer builds its private step (``train()``), with ``make_private``'s
+    errors.
+
+    ```python
+    from dpopt import PrivacyArguments
+
+    privacy = PrivacyArguments(epsilon=3.0, batch_size=512)              # DP-AdamW with the Trainer's AdamW
+    grape = PrivacyArguments(epsilon=3.0, batch_size=512, algorithm="dp-grape", hyperparameters={"rank": 4})
+    assert privacy.delta == 1e-5 and grape.hyperparameters["rank"] == 4
+    ```
+
+    :param epsilon: the target epsilon; or give ``noise_multiplier``, not both.
+    :param noise_multiplier: the noise's std over the clip bound; the run then reports its epsilon.
+    :param delta: the target delta, in (0, 1), well below 1 / (dataset size); default 1e-5.
+    :param batch_size: the expected logical batch (Poisson sampling: each example is in a step's batch with
+        probability ``batch_size / len(train_dataset)``); ``per_device_train_batch_size`` is the physical batch.
+    :param clip: the per-example clip bound C (> 0).
+    :param clipping: ``flat``, ``per-layer`` or ``automatic``.
+    :param algorithm: None (the Trainer's optimizer), or a recipe's name.
+    :param noise: the noise mechanism: ``auto`` (the recipe's), ``gaussian``, ``tree``, ``sqrt``, ``banded``, ``mf``.
+    :param sampling: ``auto`` (the recipe's), ``poisson``, ``cyclic``, ``shuffle`` or ``fixed``.
+    :param bands: banded noise's bands and cyclic sampling's period (0: chosen by the plan).
+    :param workload: what an optimised factorization targets: ``ones`` (prefix sums) or ``true`` (the recipe's
+        momentum).
+    :param tree_decoder: tree noise's decoder (None: the recipe's).
+    :param accountant: ``pld`` or ``rdp``.
+    :param secret_seed: makes the sampling and noise replayable (tests, reproductions); None: a fresh key from
+        OS entropy. Not saved in ``privacy.json``.
+    :param hyperparameters: a recipe's settings other than the learning rate and weight decay, e.g.
+        ``{"rank": 4}`` (``hyperparameters_for``); they override the Trainer's.
+    """
     epsilon: float | None = None
     noise_multiplier: float | None = None
     delta: float = 1e-5
@@ -69,7 +99,12 @@ def per_example_loss(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
     """Each example's own loss [B]: a classifier's cross-entropy (squared error for one output), or a language
     model's token cross-entropy averaged over the example's own labelled tokens (next-token shifted for a causal
     LM). The model's built-in loss averages over the batch's tokens, which would make an example's weight depend
-    on the others' lengths: its clipped contribution would no longer be bounded by one example alone."""
+    on the others' lengths: its clipped contribution would no longer be bounded by one example alone.
+
+    :param model: the model; its output's ``logits`` (or the output itself) are read.
+    :param inputs: the batch as the collator makes it, with its ``labels`` (-100: a token not counted).
+    :returns: one loss per example, [B].
+    """
     return _losses(model, *_forward(model, inputs))
 
 
@@ -138,8 +173,53 @@ class _PrivateUpdate(PrivateOptimizer):
 
 
 class PrivateTrainer(Trainer):
-    """A ``Trainer`` whose every step is a private step; see the module docstring. ``per_example_loss(model,
-    inputs) -> [B]`` replaces the model's batch loss (the default handles classifiers and language models)."""
+    """A Hugging Face ``Trainer`` whose every step is one private step, built on ``make_private`` (the same
+    engine, privatizer and ledger as ``dpopt train`` and the plain loop).
+
+    What it does differently from ``Trainer``:
+
+    * each item of the train DataLoader is one Poisson-sampled logical batch of about
+      ``PrivacyArguments.batch_size`` examples (drawn with the secret key), walked through in physical batches of
+      ``per_device_train_batch_size``: ``training_step`` adds up every example's clipped gradient and releases
+      the sum once (noise, ledger), and ``optimizer.step()`` updates with the Trainer's optimizer and schedule
+      or with a dpopt recipe;
+    * the loss is per example (``per_example_loss``), not the model's batch loss;
+    * ``max_grad_norm`` clips the released gradient (already private: post-processing); the per-example bound is
+      ``PrivacyArguments.clip``;
+    * the logs carry ``epsilon`` (to every ``report_to``), and each checkpoint a ``privacy.json`` (epsilon, delta,
+      steps, the ledger) beside the optimizer's state, which holds the secret key: keep checkpoints private.
+
+    ```python
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification, TrainingArguments
+    from dpopt import PrivacyArguments, PrivateTrainer
+
+    model = BertForSequenceClassification(BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1,
+                                                     num_attention_heads=2, intermediate_size=20))
+    g = torch.Generator().manual_seed(0)
+    train = [{"input_ids": torch.randint(0, 40, (8,), generator=g), "attention_mask": torch.ones(8, dtype=torch.long),
+              "labels": i % 2} for i in range(80)]
+    args = TrainingArguments("out", per_device_train_batch_size=2, max_steps=3, learning_rate=1e-3,
+                             report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
+    trainer = PrivateTrainer(model, args, train_dataset=train,          # batch_size: the logical batch
+                             privacy=PrivacyArguments(noise_multiplier=1.0, batch_size=4))
+    trainer.train()                                 # logs epsilon with the Trainer's loss
+    assert trainer.ledger.steps == 3 and 0 < trainer.epsilon() < float("inf")
+    ```
+
+    :param args: the ``Trainer``'s arguments (model, ``TrainingArguments``, datasets, collator, callbacks, ...).
+    :param privacy: the run's ``PrivacyArguments``.
+    :param per_example_loss: ``per_example_loss(model, inputs) -> [B]``, each example's own loss; the default
+        takes a classifier's cross-entropy (squared error for one output) or a language model's token
+        cross-entropy averaged over each example's own labelled tokens.
+    :param kwargs: the ``Trainer``'s keyword arguments.
+    :raises ValueError: for ``gradient_accumulation_steps`` other than 1 (the logical batch is
+        ``PrivacyArguments.batch_size``), more than one process (``dpopt train --nproc`` runs data-parallel),
+        ``fp16`` (use bf16 or fp32), and at ``train()`` without a ``train_dataset`` or for a privacy setting
+        ``make_private`` refuses.
+    :raises RuntimeError: at a second ``train()`` that does not resume from a checkpoint (it would start a new
+        ledger).
+    """
 
     def __init__(self, *args: Any, privacy: PrivacyArguments,
                  per_example_loss: Callable[[nn.Module, dict[str, Any]], torch.Tensor] = per_example_loss,
@@ -161,15 +241,32 @@ class PrivateTrainer(Trainer):
 
     @property
     def ledger(self) -> PrivacyLedger:
+        """The run's ``PrivacyLedger``: every release so far.
+
+        :raises RuntimeError: before ``train()``, when nothing is accounted.
+        """
         if self.dp is None:
             raise RuntimeError("nothing is accounted before train()")
         return self.dp.privatizer.ledger
 
     def epsilon(self, delta: float | None = None) -> float:
-        """The epsilon spent so far, at ``delta`` (None: ``PrivacyArguments.delta``)."""
+        """The epsilon spent so far.
+
+        :param delta: the delta to state it at (None: ``PrivacyArguments.delta``).
+        :returns: the ledger's epsilon over every release so far.
+        :raises RuntimeError: before ``train()``.
+        """
         return self.ledger.epsilon(self.privacy.delta if delta is None else delta)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
+        """``Trainer.train``, privately: builds the private step on the first DataLoader (attribution is verified
+        before any release), or resumes one with its key and ledger from a checkpoint.
+
+        :param resume_from_checkpoint: a checkpoint folder, or True for the output folder's last one.
+        :param kwargs: ``Trainer.train``'s other keyword arguments.
+        :returns: ``Trainer.train``'s ``TrainOutput``.
+        :raises RuntimeError: at a second ``train()`` that does not resume (it would start a new ledger).
+        """
         if self.dp is not None and not resume_from_checkpoint:
             raise RuntimeError("a PrivateTrainer trains once (a second train() would start a new ledger); resume "
                                "from a checkpoint to go on")
@@ -177,7 +274,11 @@ class PrivateTrainer(Trainer):
 
     def get_train_dataloader(self) -> DataLoader:
         """One item per logical step: the Poisson batch, collated. Builds the private step (``make_private``,
-        which verifies attribution before anything is released) on the first call."""
+        which verifies attribution before anything is released) on the first call.
+
+        :returns: a DataLoader of one epoch of logical batches.
+        :raises ValueError: without a ``train_dataset``, or for a privacy setting ``make_private`` refuses.
+        """
         if self.train_dataset is None:
             raise ValueError("PrivateTrainer: training requires a train_dataset")
         dataset, collate = self.train_dataset, self.data_collator
@@ -223,7 +324,13 @@ class PrivateTrainer(Trainer):
                       num_items_in_batch: Any = None) -> torch.Tensor:
         """Stages 2-5 of one logical step: the clipped sums of its physical batches, released once (noise,
         ledger; an empty batch releases noise alone) and held for ``optimizer.step()``. The loss returned is for
-        display (not private)."""
+        display (not private).
+
+        :param model: the model (the Trainer's).
+        :param inputs: one logical batch, collated (empty: no example was sampled).
+        :param num_items_in_batch: the Trainer's token count; unused (every example weighs the same).
+        :returns: the batch's mean per-example loss (nan for an empty batch).
+        """
         model.train()
         sums, losses = None, None
         if inputs:
@@ -235,7 +342,14 @@ class PrivateTrainer(Trainer):
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
-        """Evaluation's loss (training never calls this): the mean per-example loss, as trained."""
+        """Evaluation's loss (training never calls this): the mean per-example loss, as trained.
+
+        :param model: the model.
+        :param inputs: a batch with its ``labels``.
+        :param return_outputs: also return the model's outputs (for predictions).
+        :param num_items_in_batch: the Trainer's token count; unused.
+        :returns: the loss, or (loss, outputs).
+        """
         if self.per_example_loss is per_example_loss:
             out, labels = _forward(model, inputs)
             loss = _losses(model, out, labels).mean()
@@ -246,7 +360,11 @@ class PrivateTrainer(Trainer):
         return (loss, out) if return_outputs else loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """The Trainer's logs, with the epsilon spent so far (so TensorBoard and W&B get it through report_to)."""
+        """The Trainer's logs, with the epsilon spent so far (so TensorBoard and W&B get it through report_to).
+
+        :param logs: the values to log; ``epsilon`` is added once training has started.
+        :param start_time: the Trainer's start time, for its speed metrics.
+        """
         if self.dp is not None:
             logs["epsilon"] = self.epsilon()
         super().log(logs, start_time)

@@ -124,10 +124,20 @@ def check_noise_settings(s: Settings) -> None:
 class PrivacyPlan:
     """The privacy of one run: its sampling, clipping, noise mechanism, calibration and ledger, decided together
     from the recipe, the data, the run's length and one target. Every entry point builds one; ``make(key)``
-    returns the ``Privatizer`` a step drives::
+    returns the ``Privatizer`` a step drives.
 
-        plan = PrivacyPlan("dp-memf", dataset_size=60_000, batch_size=512, epochs=5, epsilon=2.0)
-        privatizer = plan.make(secret_key())
+    ```python
+    from dpopt import PrivacyPlan
+    from dpopt.noise.rng import secret_key
+
+    plan = PrivacyPlan("dp-sgd", dataset_size=80, batch_size=4, epochs=2, noise_multiplier=1.0)
+    assert (plan.noise_kind, plan.sampling_kind) == ("gaussian", "poisson")
+    privatizer = plan.make(secret_key())       # sampler, clipping, calibrated noise and an empty ledger
+    assert plan.total_steps(privatizer.sampler) == 40 and privatizer.ledger.steps == 0
+
+    memf = PrivacyPlan("dp-memf", dataset_size=60_000, batch_size=512, epochs=5, epsilon=2.0)
+    assert (memf.noise_kind, memf.sampling_kind) == ("mf", "cyclic")   # the recipe's own mechanism
+    ```
 
     :param algorithm: the recipe, whose mechanism the plan runs unless ``noise`` or ``sampling`` say otherwise.
     :param dataset_size: the number of training examples.
@@ -184,10 +194,13 @@ class PrivacyPlan:
 
     @property
     def noise_kind(self) -> str:
+        """The noise asked for: ``noise``, or the recipe's own (``gaussian`` for most; ``tree``, ``mf``)."""
         return noise_kind(self)
 
     @property
     def sampling_kind(self) -> str:
+        """The sampling: ``sampling``, or the recipe's own with its own noise, else ``poisson`` for iid noise and
+        ``fixed`` for correlated noise."""
         return sampling_kind(self)
 
     def resolved(self, log: Callable[[str], None] = print) -> "PrivacyPlan":
@@ -220,12 +233,20 @@ class PrivacyPlan:
         return dataclasses.replace(self, bands=period)
 
     def sampler(self, key: int | bytes | None) -> Sampler:
-        """The run's sampler, its secret stream keyed by ``key`` (None: secure, per-draw OS entropy)."""
+        """The run's sampler, its secret stream keyed by ``key`` (None: secure, per-draw OS entropy).
+
+        :param key: the run's secret key (``dpopt.noise.rng.secret_key``), or None.
+        :returns: the sampler of ``sampling_kind`` over ``dataset_size`` examples.
+        """
         return make_sampler(self.sampling_kind, self.dataset_size, self.batch_size, SecretStream(key, "sampling"),
                             self.bands)
 
     def total_steps(self, sampler: Sampler) -> int:
-        """The run's logical steps: ``steps``, or ``epochs`` of ``sampler``'s."""
+        """The run's logical steps: ``steps``, or ``epochs`` of ``sampler``'s.
+
+        :param sampler: the run's sampler (``sampler(key)``), whose epoch length it reads.
+        :returns: the number of logical steps the noise is calibrated for.
+        """
         return self.steps or math.ceil(self.epochs * sampler.steps_per_epoch)
 
     def make(self, key: int | bytes | None, log: Callable[[str], None] = print,

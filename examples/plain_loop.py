@@ -2,6 +2,9 @@
 
     python examples/plain_loop.py    # about 2 minutes on 2 CPU cores; ends with {"epsilon": ..., "accuracy": ...}
 
+Data: MNIST's four IDX files, downloaded on the first run into ``$DPOPT_DATA/mnist`` (default
+``~/.cache/dpopt/mnist``); offline, put them there yourself.
+
 ``dpopt.make_private`` hands back Poisson-sampled batches (in physical batches that fit memory) and an
 optimizer whose ``step()`` clips every example's gradient and adds the noise once per sampled batch.
 """
@@ -25,7 +28,7 @@ def per_example_loss(model: nn.Module, batch) -> torch.Tensor:
 
 def main() -> None:
     torch.manual_seed(0)
-    mnist = load_dataset("mnist")  # the local MNIST files (see DATA.md); (images, labels) tensors
+    mnist = load_dataset("mnist", download=True)  # read from disk, downloaded once; (images, labels) tensors
     model = nn.Sequential(  # a Tanh CNN (Papernot et al. 2021); BatchNorm would mix examples, so none
         nn.Conv2d(1, 16, 8, stride=2, padding=3), nn.Tanh(), nn.MaxPool2d(2, 1),
         nn.Conv2d(16, 32, 4, stride=2), nn.Tanh(), nn.MaxPool2d(2, 1),

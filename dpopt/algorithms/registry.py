@@ -12,6 +12,10 @@ from dpopt.grad.engine import PerExampleEngine
 
 Recipe = Callable[[PerExampleEngine, Privatizer, Hyperparameters], PrivateStep]
 ALGORITHMS: dict[str, Recipe] = {}
+"""The recipes by name (``dp-sgd``, ``dp-adam``, ``disk-adam``, ``dp-grape``, ``dpzero``, ``dp-memf``, ...): the
+name goes to ``make_private(..., algorithm=)``, ``PrivacyArguments(algorithm=)`` and ``dpopt train --algorithm``;
+each maps to the function that builds its private step. The recipes page of the reference lists them with their
+configs and tuned defaults."""
 CONFIGS: dict[str, type[Hyperparameters]] = {}  # the typed config of each recipe's family
 DEFAULT_NOISE: dict[str, str] = {}  # a recipe's noise mechanism unless --noise says otherwise
 DEFAULT_SAMPLING: dict[str, str] = {}  # a recipe's sampling with its own noise, unless --sampling says otherwise
@@ -66,6 +70,20 @@ def hyperparameters_for(name: str, spell: Callable[[str], str] = str, **override
     """The hyper-parameters of a recipe: its family's config with the recipe's tuned defaults and ``overrides``
     on top. ``hyperparameters_for("dp-grape", rank=8)`` is a ``Projection``.
 
+    ```python
+    from dpopt import ALGORITHMS, Projection, hyperparameters_for
+
+    hp = hyperparameters_for("dp-grape", rank=8)
+    assert isinstance(hp, Projection) and hp.rank == 8 and hp.subspace_every == 100   # the family's default
+    assert hp.for_run(400).lr == 0.15 / 400 ** 0.5          # the recipe's tuned lr, a rule of the run's length
+    try:
+        hyperparameters_for("dp-sgd", rank=8)                # DP-SGD has no projection
+    except ValueError as e:
+        error = str(e)
+    assert error.startswith("rank does not apply to dp-sgd (it applies to disk-grape, dp-galore, dp-grape)")
+    assert "dp-grape" in ALGORITHMS
+    ```
+
     :param name: the recipe (``dpopt.ALGORITHMS``).
     :param spell: how an error writes a setting's name (the CLI: as its flag).
     :param overrides: settings of the recipe's family; those given as None keep the recipe's defaults.
@@ -87,7 +105,17 @@ def hyperparameters_for(name: str, spell: Callable[[str], str] = str, **override
 def build_algorithm(name: str, engine: PerExampleEngine, privatizer: Privatizer,
                     hp: Hyperparameters, physical_batch_size: int | None = None) -> PrivateStep:
     """The recipe ``name`` with hyper-parameters ``hp`` (of its family: ``hyperparameters_for``); its steps go
-    through the engine ``physical_batch_size`` examples at a time."""
+    through the engine ``physical_batch_size`` examples at a time.
+
+    :param name: the recipe (``ALGORITHMS``).
+    :param engine: the per-example engine of the model and its loss.
+    :param privatizer: the clipping, noise, sampler and ledger (``PrivacyPlan.make``).
+    :param hp: the recipe's config, its ``StepRule`` fields resolved (``hp.for_run(steps)``).
+    :param physical_batch_size: the most examples per forward and backward (None: the whole logical batch).
+    :returns: the ``PrivateStep`` whose ``step(batch)`` is one private step.
+    :raises ValueError: for an unknown recipe, or a field still given as a ``StepRule``.
+    :raises TypeError: for a config of another family.
+    """
     check_algorithm(name)
     if not isinstance(hp, CONFIGS[name]):
         raise TypeError(f"{name} takes {CONFIGS[name].__name__} hyper-parameters (hyperparameters_for({name!r}, "

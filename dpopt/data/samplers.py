@@ -63,7 +63,14 @@ def distinct_examples(data: Any, dataset_size: int, count: int = 3, scan: int = 
 
 class PoissonSampler:
     """Each example is in each step's batch independently with probability ``rate``. Batch sizes vary,
-    empty batches happen and still count; the clipped sum is divided by the *expected* batch size."""
+    empty batches happen and still count; the clipped sum is divided by the *expected* batch size. This is the
+    sampling that Poisson amplification (``PoissonSampling`` in the ledger) assumes.
+
+    :param dataset_size: the number of examples (>= 1).
+    :param rate: each example's probability of being in a step's batch, in (0, 1].
+    :param stream: the secret stream the draws come from (``SecretStream(key, "sampling")``).
+    :raises ValueError: for an empty dataset or a rate outside (0, 1].
+    """
 
     def __init__(self, dataset_size: int, rate: float, stream: SecretStream) -> None:
         if dataset_size < 1:
@@ -74,19 +81,34 @@ class PoissonSampler:
 
     @classmethod
     def with_batch_size(cls, dataset_size: int, batch_size: int, stream: SecretStream) -> "PoissonSampler":
+        """The sampler whose expected batch is ``batch_size``: rate ``batch_size / dataset_size``.
+
+        :param dataset_size: the number of examples.
+        :param batch_size: the expected batch, in [1, dataset_size].
+        :param stream: the secret stream of the draws.
+        :returns: the sampler.
+        :raises ValueError: for a batch size outside [1, dataset_size].
+        """
         if not 1 <= batch_size <= dataset_size:
             raise ValueError(f"batch size must lie in [1, {dataset_size}] (the dataset size), got {batch_size}")
         return cls(dataset_size, batch_size / dataset_size, stream)
 
     @property
     def normalizer(self) -> float:
+        """The expected batch size, which the noisy sum is divided by."""
         return self.rate * self.dataset_size
 
     @property
     def steps_per_epoch(self) -> int:
+        """The steps of one epoch: ``round(1 / rate)`` (at least 1)."""
         return max(1, round(1 / self.rate))
 
     def batch(self, step: int) -> torch.Tensor:
+        """The indices of step ``step``'s batch (secret: drawn from the stream at that step).
+
+        :param step: the step's number, from 0.
+        :returns: the sorted indices of the examples in the batch (possibly none).
+        """
         return (self.stream.uniform(self.dataset_size, step) < self.rate).nonzero().squeeze(1)
 
 

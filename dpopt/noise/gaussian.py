@@ -11,7 +11,11 @@ from dpopt.privacy.ledger import GaussianRelease, Participation
 class GaussianNoise:
     """Adds N(0, (noise_multiplier * sensitivity)^2 I) to a list of tensors, from a secret stream.
 
-    ``sensitivity`` is the L2 bound of one example's contribution to the sum (the clip norm C).
+    :param noise_multiplier: the noise's std over the sensitivity, z (>= 0; ``noise_multiplier_for`` gives the z
+        of a target epsilon; 0 is no noise and no privacy).
+    :param sensitivity: the L2 bound of one example's contribution to the sum (the clip bound C).
+    :param stream: the secret stream the noise comes from (``SecretStream(key, "noise")``).
+    :raises ValueError: for a negative noise multiplier.
     """
 
     def __init__(self, noise_multiplier: float, sensitivity: float, stream: SecretStream) -> None:
@@ -27,6 +31,7 @@ class GaussianNoise:
 
     @property
     def std(self) -> float:
+        """The noise's standard deviation: ``noise_multiplier * sensitivity``."""
         return self.noise_multiplier * self.sensitivity
 
     def __call__(self, sums: list[torch.Tensor], step: int) -> list[torch.Tensor]:

@@ -31,6 +31,18 @@ def noise_multiplier_for(epsilon: float, delta: float, participation: Participat
     Epsilon decreases in z, and log epsilon is nearly a line in log z. So the search brackets z by doubling,
     then takes secant steps on that line: first with the coarse (pessimistic) PLD into the top fifth of the band,
     whose answer is a valid upper end, then with the accountant's own precision from there, usually one step.
+
+    :param epsilon: the target epsilon (finite, > 0).
+    :param delta: the target delta, in (0, 1).
+    :param participation: how examples join the steps (``PoissonSampling(rate)``, ``FixedParticipation(period)``,
+        ...): the sampler's ``participation``.
+    :param steps: the run's number of releases (>= 1).
+    :param accountant: ``pld`` or ``rdp``.
+    :param relation: ``add-remove`` or ``replace-one``.
+    :param release: the whole run's release at a multiplier, for a mechanism other than iid Gaussian noise.
+    :returns: the noise multiplier z.
+    :raises ValueError: for a target that is not a DP guarantee, steps < 1, or an unknown accountant or relation.
+    :raises AccountingError: for a participation the accountant cannot account.
     """
     check_budget(epsilon, delta)
     if steps < 1:

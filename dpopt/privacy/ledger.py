@@ -317,7 +317,33 @@ class PrivacyLedger:
     """An append-only record of private releases, saved with every checkpoint.
 
     Consecutive releases of the same mechanism are merged into one entry with a step count, so a run of
-    any length keeps a short ledger and composes in one PLD self-composition.
+    any length keeps a short ledger and composes in one PLD self-composition. Every entry point keeps one
+    (``PrivateOptimizer.ledger``, ``PrivateTrainer.ledger``, a run folder's checkpoints); built by hand, it
+    accounts releases made elsewhere.
+
+    ```python
+    import math
+    from dp_accounting.rdp import RdpAccountant
+    from dpopt import PrivacyLedger
+    from dpopt.privacy import GaussianRelease, PoissonSampling
+
+    ledger = PrivacyLedger()                    # add-remove neighbours, PLD accounting
+    for _ in range(10):                         # a step: noise multiplier 1 on Poisson batches at rate 0.05
+        ledger.record(GaussianRelease(1.0, PoissonSampling(0.05)))
+    assert ledger.steps == 10 and len(ledger.entries) == 1             # merged into one entry
+    epsilon = ledger.epsilon(1e-5)
+    assert 0 < epsilon <= ledger.epsilon(1e-5, accountant="rdp")       # RDP's bound is looser than PLD's
+    assert PrivacyLedger.from_dict(ledger.to_dict()).entries == ledger.entries    # as a checkpoint keeps it
+
+    budget = RdpAccountant(neighboring_relation=ledger.neighboring_relation)  # the rest of a privacy budget
+    budget.compose(ledger.dp_event("rdp"))
+    assert math.isclose(budget.get_epsilon(1e-5), ledger.epsilon(1e-5, accountant="rdp"), rel_tol=1e-9)
+    ```
+
+    :param relation: the neighbouring datasets: ``add-remove`` (one example added or removed) or
+        ``replace-one`` (one example replaced: sensitivity 2C).
+    :param accountant: ``pld`` (privacy loss distributions: tight) or ``rdp`` (Rényi DP: an upper bound).
+    :raises ValueError: for an unknown relation or accountant.
     """
 
     def __init__(self, relation: Relation | str = Relation.ADD_REMOVE, accountant: str = "pld") -> None:
@@ -329,7 +355,12 @@ class PrivacyLedger:
         self._cache: dict[tuple, float] = {}
 
     def record(self, release: Release) -> None:
-        """Append one release; refuses up front a release the accountant could not account for."""
+        """Append one release, merged into the last entry where it is the same mechanism.
+
+        :param release: the release (``GaussianRelease``, ``CorrelatedRelease``), with its step count.
+        :raises AccountingError: for a release the ledger's accountant cannot account (RDP has no analysis of
+            Poisson sampling under replace-one neighbours): refused up front, not guessed.
+        """
         release.dp_event(self.accountant, self.relation)
         if self.entries and self.entries[-1].same_mechanism(release):
             self.entries[-1] = self.entries[-1].merge(release)
@@ -338,6 +369,7 @@ class PrivacyLedger:
 
     @property
     def steps(self) -> int:
+        """The number of releases recorded (the run's private steps)."""
         return sum(e.steps for e in self.entries)
 
     def epsilon(self, delta: float, accountant: str | None = None) -> float:
@@ -364,7 +396,13 @@ class PrivacyLedger:
         budget in dp-accounting: ``PLDAccountant(ledger.neighboring_relation)`` for ``accountant`` "pld" (the
         default: the ledger's own), ``RdpAccountant(neighboring_relation=ledger.neighboring_relation)`` for "rdp".
         The two read a replace-one Gaussian differently (the module docstring), hence one event per accountant;
-        under add-remove they are the same event."""
+        under add-remove they are the same event.
+
+        :param accountant: ``pld`` or ``rdp`` (None: the ledger's own).
+        :returns: a ``ComposedDpEvent`` of the entries (a ``NoOpDpEvent`` when empty).
+        :raises ValueError: for an unknown accountant.
+        :raises AccountingError: where that accountant has no analysis of an entry.
+        """
         kind = accountant or self.accountant
         if kind not in ACCOUNTANTS:
             raise ValueError(f"unknown accountant {kind!r}; choose one of {', '.join(ACCOUNTANTS)}")
@@ -372,11 +410,22 @@ class PrivacyLedger:
         return dpa.ComposedDpEvent(events) if events else dpa.NoOpDpEvent()
 
     def to_dict(self) -> dict[str, Any]:
+        """The ledger as JSON-ready data (relation, accountant, entries): how checkpoints and ``privacy.json``
+        keep it.
+
+        :returns: what ``from_dict`` reads back.
+        """
         return {"relation": self.relation.value, "accountant": self.accountant,
                 "entries": [e.to_dict() for e in self.entries]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PrivacyLedger":
+        """The ledger ``to_dict`` wrote.
+
+        :param data: ``to_dict()``'s output (read from a checkpoint or ``privacy.json``).
+        :returns: a ledger with the same entries, relation and accountant.
+        :raises ValueError: for an unknown release mechanism, relation or accountant.
+        """
         ledger = cls(data["relation"], data["accountant"])
         for e in data["entries"]:
             if e.get("mechanism") not in RELEASES:
