@@ -342,14 +342,16 @@ class PerExampleGradients(PerExampleStatistic):
             raise RuntimeError("these per-example gradients were released by weighted_sum or clipped_sum "
                                "(release=True); compute them again")
 
-    def materialize(self) -> list[torch.Tensor]:
-        """Per-example gradients [B, *shape] per parameter (for tests and small models)."""
+    def parameter(self, j: int, s: slice = slice(None)) -> torch.Tensor:
+        """Per-example gradients [n, *shape] of parameter ``j`` for the examples in ``s``, in its dtype."""
         self._check_alive()
-        out = []
-        for p, shape, ts in zip(self.engine.params, self.shapes, self.terms):
-            acc = torch.zeros(self.batch_size, *shape, device=p.device, dtype=p.dtype)
-            for c, t in ts:
-                acc += c * t.materialize().reshape(acc.shape)
-            out.append(acc)
-        return out
+        p, shape = self.engine.params[j], self.shapes[j]
+        acc = torch.zeros(len(range(self.batch_size)[s]), *shape, device=p.device, dtype=p.dtype)
+        for c, t in self.terms[j]:
+            acc.add_(t.materialize(s).reshape(acc.shape), alpha=c)
+        return acc
+
+    def materialize(self) -> list[torch.Tensor]:
+        """Per-example gradients [B, *shape] per parameter (for tests and small models; ``parameter`` gives one)."""
+        return [self.parameter(j) for j in range(len(self.terms))]
 

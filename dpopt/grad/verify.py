@@ -5,7 +5,9 @@ refuses DP training: per-example clipping would not bound an example's influence
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+import contextlib
+import math
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -78,10 +80,45 @@ def check_attribution(engine: PerExampleEngine, batch: Any, examples: int = 3, r
 def _mismatches(engine: PerExampleEngine, pick: Callable[[slice], Any], examples: int,
                 rtol: float) -> tuple[set[int], str] | None:
     """The parameters whose per-example gradients differ from single-example backward passes, and the worst
-    difference in words; None if they match."""
+    difference in words; None if they match. One example's reference gradients are held at a time, and compared
+    parameter by parameter with that example's row of the engine's statistic (each reference dropped once
+    compared), so the check needs about one gradient of the model besides the statistic, not ``examples + 2``."""
+    with _unroutable(engine):
+        got = engine.gradients(pick(slice(0, examples)))
+    wrong: set[int] = set()
+    reason = ""
+    for i in range(examples):
+        ref: list[torch.Tensor | None] = list(torch.autograd.grad(
+            engine.loss_fn(engine.model, pick(slice(i, i + 1))).sum(), engine.params, allow_unused=True))
+        if not all(r is None or torch.isfinite(r).all() for r in ref):  # non-finite: the clip stage gives it weight 0
+            continue
+        norms: list[float] = []  # per parameter: the reference's norm, and its distance from the engine's
+        errors: list[float] = []
+        for j in range(len(ref)):
+            r, ref[j] = ref[j], None  # each reference gradient is dropped once compared
+            with _unroutable(engine):
+                g = got.parameter(j, slice(i, i + 1))[0]
+            norms.append(0.0 if r is None else float(r.norm()))
+            errors.append(float((g if r is None else g.sub_(r)).norm()))
+            del g, r
+        total = math.sqrt(sum(n * n for n in norms))
+        if sum(e * e for e in errors) ** 0.5 <= rtol * total + 1e-6:
+            continue
+        j = max(range(len(errors)), key=errors.__getitem__)
+        wrong |= {k for k, (e, n) in enumerate(zip(errors, norms)) if e > rtol * n + 1e-6} | {j}
+        reason = reason or (f"the per-example gradients of {engine._layers(j)} did not match single-example "
+                            f"backward passes (parameter {engine.names[j]!r}, relative error "
+                            f"{errors[j] / max(total, 1e-12):.2e})")
+    return (wrong, reason) if wrong else None
+
+
+@contextlib.contextmanager
+def _unroutable(engine: PerExampleEngine) -> Iterator[None]:
+    """Where parameters are routed to torch.func, its failure to take them per example (a RuntimeError or
+    ValueError) refuses the model as mixing examples."""
     try:
-        got = engine.gradients(pick(slice(0, examples))).materialize()
-    except (RuntimeError, ValueError) as e:  # the torch.func route cannot run this model per example
+        yield
+    except (RuntimeError, ValueError) as e:
         if not engine.routes:
             raise
         routes = ", ".join(repr(name or "<root>") for name in engine.routes)
@@ -89,24 +126,6 @@ def _mismatches(engine: PerExampleEngine, pick: Callable[[slice], Any], examples
             f"hooks cannot attribute some layers' gradients to examples, and torch.func could not take them per "
             f"example over {routes} ({type(e).__name__}: {e}): some operation there mixes rows of different "
             "examples. Keep the batch as dimension 0 of every layer's input and output.") from e
-    wrong: set[int] = set()
-    reason = ""
-    for i in range(examples):
-        grads = torch.autograd.grad(engine.loss_fn(engine.model, pick(slice(i, i + 1))).sum(), engine.params,
-                                    allow_unused=True)
-        ref = [torch.zeros_like(p) if g is None else g for p, g in zip(engine.params, grads)]
-        if not all(torch.isfinite(r).all() for r in ref):  # non-finite: the clip stage gives it weight 0
-            continue
-        total = float(torch.cat([r.flatten() for r in ref]).norm())
-        errors = [float((g[i] - r).norm()) for g, r in zip(got, ref)]
-        if sum(e * e for e in errors) ** 0.5 <= rtol * total + 1e-6:
-            continue
-        j = max(range(len(errors)), key=errors.__getitem__)
-        wrong |= {k for k, (e, r) in enumerate(zip(errors, ref)) if e > rtol * float(r.norm()) + 1e-6} | {j}
-        reason = reason or (f"the per-example gradients of {engine._layers(j)} did not match single-example "
-                            f"backward passes (parameter {engine.names[j]!r}, relative error "
-                            f"{errors[j] / max(total, 1e-12):.2e})")
-    return (wrong, reason) if wrong else None
 
 
 @torch.no_grad()
