@@ -36,9 +36,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map_only
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dpopt.algorithms.base import PrivateStep, StepResult
 from dpopt.clipping import loss_totals
@@ -67,6 +64,8 @@ def shard_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     :param mesh: the ranks to shard over (``device_mesh``).
     :returns: the model (now an ``FSDPModule``).
     """
+    from torch.distributed.fsdp import fully_shard  # FSDP2 and DTensor take about a second to import: when used
+
     for name, module in list(model.named_modules()):
         if name and any(p.requires_grad for p in module.parameters(recurse=False)):
             fully_shard(module, mesh=mesh)
@@ -78,6 +77,8 @@ def shard_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
 def summing(model: nn.Module) -> None:
     """Make every FSDP unit of ``model`` sum its gradients over the ranks instead of averaging them: a sharded
     model that its owner wrapped with ``fully_shard`` goes through this before private training."""
+    from torch.distributed.fsdp import FSDPModule
+
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not units:
         raise ValueError("the model is not sharded: wrap it with torch.distributed.fsdp.fully_shard (or "
@@ -93,6 +94,9 @@ class Ownership:
     start_i + o * (numel_i / d0) onwards, contiguous (FSDP2 shards every parameter on dim 0)."""
 
     def __init__(self, params: list[torch.Tensor]) -> None:
+        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
         self.starts: list[int] = []
         self.rows: list[tuple[int, int]] = []  # (first row, rows) of each local shard
         total = 0
@@ -256,6 +260,8 @@ class ShardedStep(PrivateStep):
 def gathered(tree: Any) -> Any:
     """``tree`` (a state dict, nested) with every sharded tensor replaced by the whole tensor on every rank (a
     collective: every rank calls it with the same structure)."""
+    from torch.distributed.tensor import DTensor
+
     return tree_map_only(DTensor, lambda t: t.full_tensor(), tree)
 
 
@@ -267,6 +273,8 @@ def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 def _like(value: Any, live: Any) -> Any:
     """``value`` sharded as ``live`` is, where ``live`` is a sharded tensor of its shape; else as it is."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     if isinstance(live, DTensor) and isinstance(value, torch.Tensor) and value.shape == live.shape:
         return distribute_tensor(value.to(live.device), live.device_mesh, live.placements)
     return value
@@ -279,6 +287,8 @@ def _constant(model: nn.Module, params: list[torch.Tensor]) -> Iterator[None]:
     is resharded and holds its sharded parameters again (the engine's ``functional_call`` may leave the detached
     tensors it substituted registered where FSDP2 swapped parameters in the meantime), so that its next forward
     gathers parameters that require grad."""
+    from torch.distributed.fsdp import FSDPModule
+
     held = [(m, name, p) for m in model.modules() for name, p in m._parameters.items()]
     for p in params:
         p.requires_grad_(False)

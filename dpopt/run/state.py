@@ -24,8 +24,9 @@ def checkpoint_state(run: Run, history: list[dict[str, Any]], wall: float, cpu: 
     if run.ledger.steps != steps:
         raise RuntimeError(f"refusing to checkpoint: the ledger holds {run.ledger.steps} releases but the "
                            f"optimizer took {steps} steps")
-    return {"format": "dpopt-checkpoint-1", "config": run.config.to_dict(),
-            "model": gathered(run.model.state_dict()), "optimizer": run.optimizer.state_dict(),
+    model = gathered(run.model.state_dict()) if run.sharded else run.model.state_dict()
+    return {"format": "dpopt-checkpoint-1", "config": run.config.to_dict(), "model": model,
+            "optimizer": run.optimizer.state_dict(),
             "ledger": run.ledger.to_dict(), "step": steps, "sampler": sampler_state(run.sampler, steps),
             "rng": {"torch": torch.get_rng_state(), "secret_next_step": steps, "secure": run.config.secure,
                     "secret_key": run.secret_key},
