@@ -78,6 +78,7 @@ from torch.utils._pytree import tree_flatten
 from dpopt import model_shapes
 from dpopt.device import add_device_arguments, autocast, autocast_dtype, resolve_device, to_device
 from dpopt.extras import require
+from dpopt.names import did_you_mean
 
 SYSTEMS = ("pytorch", "inference", "dpopt", "dpopt-materialize", "opacus-hooks", "opacus-ghost", "dp-grape",
            "dp-galore", "galore", "dpzero", "disk-sgd", "disk-adam", "dp-srg-memf", "accel-dp-srgd")
@@ -125,8 +126,6 @@ def check_workload(name: str) -> str:
     :raises ValueError: one line with a "did you mean", naming the workloads and model sizes.
     """
     if name not in WORKLOADS and not is_language_model(name):
-        from dpopt.cli import did_you_mean
-
         kind = "model size" if name.startswith(("opt", "llama")) else "workload"
         raise ValueError(f"unknown {kind} {name!r}{did_you_mean(name, [*WORKLOADS, *model_shapes.SHAPES])} "
                          f"(workloads: {', '.join(WORKLOADS)}; model sizes: {', '.join(model_shapes.SHAPES)})")

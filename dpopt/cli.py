@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import difflib
 import importlib
 import json
 import os
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
 from dpopt import names
+from dpopt.names import did_you_mean
 from dpopt.algorithms import (ALGORITHMS, DEFAULT_NOISE, DEFAULT_SAMPLING, DEFAULT_TREE_DECODER, DEFAULTS, NON_PRIVATE,
                               applies_to, hyperparameters_for)
 from dpopt.algorithms.hyperparameters import all_fields
@@ -40,14 +40,6 @@ from dpopt.sharded import refusal as shard_refusal
 
 DEFAULT_EPSILON = 2.0
 RUN_FILES = (CHECKPOINT, "metrics.json", LOG, CURVES, TENSORBOARD, MODEL_DIR)  # what dpopt train writes in --out
-
-
-def did_you_mean(name: str, names: Sequence[str]) -> str:
-    """"; did you mean 'x'?" for the name in ``names`` closest to a mistyped ``name``, or "": case aside, and
-    close enough to take two letters swapped in a short name ('mpl': 'mlp')."""
-    lower = {n.lower(): n for n in names}
-    close = difflib.get_close_matches(name.lower(), list(lower), n=1, cutoff=0.6)
-    return f"; did you mean {lower[close[0]]!r}?" if close else ""
 
 
 class _Parser(argparse.ArgumentParser):

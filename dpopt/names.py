@@ -1,11 +1,12 @@
-"""Old names of public arguments and flags: a call or command line that uses one gets a one-line error naming
-the new one."""
+"""The names users type: old names of public arguments and flags (a call or command line that uses one gets a
+one-line error naming the new one), a setting's flag, and a "did you mean" for a mistyped name."""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import functools
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -54,3 +55,11 @@ def renamed_attributes(module: str, **new_names: str) -> Callable[[str], Any]:
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
     return attribute
+
+
+def did_you_mean(name: str, names: Sequence[str]) -> str:
+    """"; did you mean 'x'?" for the name in ``names`` closest to a mistyped ``name``, or "": case aside, and
+    close enough to take two letters swapped in a short name ('mpl': 'mlp')."""
+    lower = {n.lower(): n for n in names}
+    close = difflib.get_close_matches(name.lower(), list(lower), n=1, cutoff=0.6)
+    return f"; did you mean {lower[close[0]]!r}?" if close else ""
