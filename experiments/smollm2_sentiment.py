@@ -34,9 +34,10 @@ import torch
 
 from dpopt import make_private
 from dpopt.checkpoint import write_atomic
+from dpopt.data.datasets import data_home
 from dpopt.data.samplers import take
 from dpopt.data.text import rotten_tomatoes
-from dpopt.language_models import (PromptedClassifier, PromptEncoder, cache_root, decoder_over, label_ids, smollm2,
+from dpopt.language_models import (PromptedClassifier, PromptEncoder, decoder_over, label_ids, smollm2,
                                    split_blocks)
 from dpopt.noise.rng import derive_seed
 from dpopt.task import accuracy, classification_loss
@@ -66,7 +67,7 @@ def features(bottom: torch.nn.Module, data: dict[str, torch.Tensor], batch: int 
 
 
 def cache_file(top_blocks: int, test_size: int) -> Path:
-    return cache_root() / f"smollm2-sentiment-features-top{top_blocks}-test{test_size}.pt"
+    return data_home() / f"smollm2-sentiment-features-top{top_blocks}-test{test_size}.pt"
 
 
 @torch.no_grad()

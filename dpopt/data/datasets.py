@@ -51,6 +51,11 @@ def labels_of(data: Any) -> torch.Tensor:
     return data["labels"] if isinstance(data, dict) else data[1]
 
 
+def data_home() -> Path:
+    """Where dpopt writes data it downloads or converts: ``$DPOPT_DATA``, else ``~/.cache/dpopt``."""
+    return Path(os.environ.get("DPOPT_DATA", Path.home() / ".cache" / "dpopt"))
+
+
 def data_roots() -> list[Path]:
     roots = [os.environ.get("DPOPT_DATA"), Path.home() / ".cache" / "dpopt", Path.cwd() / "data",
              Path.cwd().parent / "shared" / "data", Path(__file__).resolve().parents[3] / "shared" / "data",
@@ -93,7 +98,7 @@ def _idx_dataset(name: str, folder: str, files: dict[str, str], urls: list[str],
 
 
 def _download(folder: str, files: list[str], urls: list[str]) -> Path | None:
-    target = Path(os.environ.get("DPOPT_DATA", Path.home() / ".cache" / "dpopt")) / folder
+    target = data_home() / folder
     target.mkdir(parents=True, exist_ok=True)
     for base in urls:
         try:
