@@ -26,12 +26,16 @@ class Block:
 
 def python_blocks(path: Path, name: str | None = None) -> list[Block]:
     """The ```python blocks of the Markdown file ``path``, named ``name`` (default: the file's name)."""
-    text = path.read_text()
+    return blocks_in(path.read_text(), name or path.name)
+
+
+def blocks_in(text: str, name: str) -> list[Block]:
+    """The ```python blocks of Markdown ``text`` (a page, a docstring), named ``name``."""
     found = []
     for match in BLOCK.finditer(text):
         reason = match.group("reason")
         line = text.count("\n", 0, match.start("code")) + 1
-        found.append(Block(name or path.name, line, match.group("code"),
+        found.append(Block(name, line, match.group("code"),
                            None if reason is None else reason.strip()))
     return found
 

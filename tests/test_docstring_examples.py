@@ -19,12 +19,12 @@ import pytest
 import torch
 
 import dpopt
+from doc_blocks import blocks_in, run_block
 
 HF_NAMES = ("PrivateTrainer", "PrivacyArguments")  # need transformers (the hf extra)
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 API_PAGE = Path(__file__).parents[1] / "docs" / "reference" / "api.md"
 DIRECTIVE = re.compile(r"^:::\s+([\w.]+)", re.M)
-FENCED = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 # Docstrings whose examples are shown, not run: "dpopt.Name" or "dpopt.Name.method" -> the reason.
 NOT_RUN: dict[str, str] = {}
 # The names whose docstring must show an example (the ones a user starts from).
@@ -91,7 +91,7 @@ def _docstrings() -> dict[str, str]:
 
 
 DOCSTRINGS = _docstrings()
-EXAMPLES = {name: FENCED.findall(doc) for name, doc in DOCSTRINGS.items()}
+EXAMPLES = {name: blocks_in(doc, f"docstring of {name}") for name, doc in DOCSTRINGS.items()}
 RUN = sorted(name for name, blocks in EXAMPLES.items() if blocks and name not in NOT_RUN)
 
 
@@ -111,5 +111,5 @@ def test_the_docstring_example_runs(name: str, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)  # an example may write (a Trainer's output folder, a checkpoint)
     torch.manual_seed(0)
     namespace: dict = {"__name__": f"docstring of {name}"}
-    for k, block in enumerate(EXAMPLES[name]):
-        exec(compile(block, f"<docstring example {k} of {name}>", "exec"), namespace)  # noqa: S102
+    for block in EXAMPLES[name]:
+        run_block(block, namespace)
