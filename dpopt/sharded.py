@@ -157,13 +157,14 @@ class ShardedStep(PrivateStep):
         errors = torch.zeros(3, 3, dtype=torch.float64)  # per example: squared error, squared reference, non-finite
         try:
             with _constant(model, self.params):
-                got = engine.gradients(batch).materialize()
-            for i in range(len(got[0])):
+                got = engine.gradients(batch)
+            for i in range(got.batch_size):
                 engine.loss(take(batch, torch.tensor([i]))).sum().backward()  # every rank: W times the gradient
-                for g, p, (row, rows) in zip(got, self.params, self.ownership.rows):
+                for j, (p, (row, rows)) in enumerate(zip(self.params, self.ownership.rows)):
+                    g = got.parameter(j, slice(i, i + 1))[0]  # one parameter's row at a time, as verify.py reads
                     ref = (torch.zeros(p.to_local().shape) if p.grad is None else p.grad.to_local() / world).double()
                     ref = ref.cpu()
-                    errors[i] += torch.stack([(g[i].narrow(0, row, rows).double().cpu() - ref).square().sum(),
+                    errors[i] += torch.stack([(g.narrow(0, row, rows).double().cpu() - ref).square().sum(),
                                               ref.square().sum(), (~torch.isfinite(ref)).sum().double()])
                     p.grad = None
         finally:
