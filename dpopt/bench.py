@@ -38,9 +38,10 @@ Workloads: ``cnn`` — the 28x28 Tanh CNN (dpopt.models.cnn) on random images; `
 (dpopt.models.mlp: 784 -> 128 -> 10, one row per example) on random images; ``vit`` — ``vit-tiny`` (dpopt.models,
 a Hugging Face ViT: patches of 7, 4 layers, hidden 64; 72 small parameter tensors) on random images; ``bert`` — a BERT-shaped
 Hugging Face model (6 layers, hidden 384, 12 heads, intermediate 1536: MiniLM's shape, random weights) on
-random token ids; ``opt-125m`` ... ``opt-30b``, ``llama-1b``, ``llama-3b``, ``llama-7b`` — causal language
-models of those checkpoints' shapes with random weights (``dpopt.model_shapes``; batch 8, sequence 128 by
-default) on random token ids, each example's loss its sequence's mean next-token cross-entropy. Every DP system
+random token ids; ``bert-base`` — BERT-base's shape (12 layers, hidden 768, 12 heads, intermediate 3072) the
+same way; ``opt-125m`` ... ``opt-30b``, ``gpt2`` (small, its output layer tied to its token table), ``llama-1b``,
+``llama-3b``, ``llama-7b`` — causal language models of those checkpoints' shapes with random weights
+(``dpopt.model_shapes``; batch 8, sequence 128 by default) on random token ids, each example's loss its sequence's mean next-token cross-entropy. Every DP system
 uses noise multiplier 1 and clip norm 1 with fixed-size batches.
 Opacus gets explicit ``position_ids`` and ``token_type_ids`` on BERT (without them its hooks fail on a
 stock model); dpopt gets the stock inputs.
@@ -83,9 +84,10 @@ from dpopt.names import did_you_mean
 SYSTEMS = ("pytorch", "inference", "dpopt", "dpopt-materialize", "opacus-hooks", "opacus-ghost", "dp-grape",
            "dp-galore", "galore", "dpzero", "disk-sgd", "disk-adam", "dp-srg-memf", "accel-dp-srgd")
 DEFAULT_SYSTEMS = ("pytorch", "dpopt", "opacus-hooks", "opacus-ghost")
-WORKLOADS = ("cnn", "mlp", "vit", "bert", "minilm")  # and the causal language models of model_shapes.SHAPES
+TEXT_WORKLOADS = ("bert", "bert-base", "minilm")  # BERT-shaped classifiers of random token ids
+WORKLOADS = ("cnn", "mlp", "vit", *TEXT_WORKLOADS)  # and the causal language models of model_shapes.SHAPES
 # A workload's batch where --batch is not given; with no flags, the bench times the CNN (about a minute).
-DEFAULT_BATCH = {"cnn": 256, "mlp": 256, "vit": 64, "bert": 32, "minilm": 32}
+DEFAULT_BATCH = {"cnn": 256, "mlp": 256, "vit": 64, "bert": 32, "bert-base": 32, "minilm": 32}
 LM_BATCH, LM_SEQ = 8, 128  # a causal language model's batch and sequence length where not given
 DEFAULT_WORKLOAD = "cnn"
 # glibc: no trimming of the heap's top, and allocations up to 32 MiB (glibc's cap) from the heap, not mmap.
@@ -95,7 +97,8 @@ STEADY_HEAP = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_":
 @dataclass(frozen=True)
 class Case:
     """One measurement: a workload (``minilm`` = the pretrained all-MiniLM-L6-v2 with its [CLS] head, ``bert`` =
-    its shape with random weights), its batch and sequence length, and the base optimizer every system uses."""
+    its shape with random weights, ``bert-base`` = BERT-base's), its batch and sequence length, and the base
+    optimizer every system uses."""
 
     workload: str
     batch: int
@@ -109,7 +112,7 @@ class Case:
 
     @property
     def label(self) -> str:
-        seq = f" s{self.seq}" if self.workload in ("bert", "minilm") or is_language_model(self.workload) else ""
+        seq = f" s{self.seq}" if self.workload in TEXT_WORKLOADS or is_language_model(self.workload) else ""
         physical = f" p{self.physical}" if self.physical else ""
         extra = "".join(f" {v}" for v, d in ((self.device, "cpu"), (self.precision, "fp32")) if v != d)
         return f"{self.workload} b{self.batch}{seq}{physical} {self.optimizer}{extra}"
@@ -194,9 +197,10 @@ def _cpu_workload(case: Case, system: str) -> tuple[nn.Module, Any, Callable]:
         model = vit_tiny(Dataset("bench", (images, torch.zeros(batch)), None, 10))
         data = (images, torch.randint(0, 10, (batch,)))
         return model, data, lambda m, b: F.cross_entropy(m(b[0]).logits, b[1], reduction="none")
-    from dpopt.models import minilm_cls, minilm_random
+    from dpopt.models import bert_base_random, minilm_cls, minilm_random
 
-    model = (minilm_cls if case.workload == "minilm" else minilm_random)(Dataset("bench", {"labels": torch.zeros(1)}, None, 2))
+    build = {"minilm": minilm_cls, "bert": minilm_random, "bert-base": bert_base_random}[case.workload]
+    model = build(Dataset("bench", {"labels": torch.zeros(1)}, None, 2))
     model.train()  # from_pretrained returns eval mode; fine-tuning (and Opacus) runs in training mode
     data = {"input_ids": torch.randint(0, 30522, (batch, seq)), "attention_mask": torch.ones(batch, seq, dtype=torch.long),
             "labels": torch.randint(0, 2, (batch,))}
@@ -517,7 +521,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{', '.join(model_shapes.SHAPES)} (default: {DEFAULT_WORKLOAD}, unless --suite or --scaling)")
     p.add_argument("--batch", type=int, help="examples per step (default: " +
                    ", ".join(f"{w} {b}" for w, b in DEFAULT_BATCH.items()) + f", language models {LM_BATCH})")
-    p.add_argument("--seq", type=int, help=f"sequence length (default: bert, minilm 64; language models {LM_SEQ})")
+    p.add_argument("--seq", type=int, help=f"sequence length (default: bert, bert-base, minilm 64; language models "
+                                           f"{LM_SEQ})")
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd", help="base optimizer of every system")
     p.add_argument("--rank", type=int, default=16, help="projection rank of dp-grape, dp-galore and galore")
     p.add_argument("--threads", type=int, default=1,

@@ -1,10 +1,11 @@
 """Causal language models of real architectures at real sizes, with random weights (nothing is downloaded).
 
 ``SHAPES`` holds the configuration numbers of the public OPT checkpoints (Zhang et al. 2022, Table 1:
-``facebook/opt-125m`` to ``facebook/opt-30b``) and of three Llama checkpoints (Llama 3.2 1B and 3B,
-Llama 2 7B), written out so that no configuration file is fetched. ``build`` makes the model with
-``transformers``' ``AutoModelForCausalLM.from_config`` (random initialisation); on the ``meta`` device it
-allocates nothing, which is how ``parameter_count`` sizes a 30B model in no memory.
+``facebook/opt-125m`` to ``facebook/opt-30b``), of GPT-2 small (Radford et al. 2019; its output layer is its
+token table) and of three Llama checkpoints (Llama 3.2 1B and 3B, Llama 2 7B), written out so that no
+configuration file is fetched. ``build`` makes the model with ``transformers``' ``AutoModelForCausalLM.from_config``
+(random initialisation); on the ``meta`` device it allocates nothing, which is how ``parameter_count`` sizes a
+30B model in no memory.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "opt-6.7b": _opt(4096, 32, 32),
     "opt-13b": _opt(5120, 40, 40),
     "opt-30b": _opt(7168, 48, 56),
+    "gpt2": ("gpt2", {"vocab_size": 50257, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024,
+                      "tie_word_embeddings": True}),
     "llama-1b": ("llama", {**_LLAMA_3_2, "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32}),
     "llama-3b": ("llama", {**_LLAMA_3_2, "hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 24}),
     "llama-7b": ("llama", {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
@@ -53,14 +56,14 @@ def config_of(name: str) -> Any:
     """The ``transformers`` configuration of shape ``name``.
 
     :param name: a key of ``SHAPES``.
-    :returns: an ``OPTConfig`` or ``LlamaConfig``.
+    :returns: an ``OPTConfig``, ``GPT2Config`` or ``LlamaConfig``.
     :raises ValueError: an unknown name.
     """
     check_shape(name)
-    from transformers import LlamaConfig, OPTConfig
+    from transformers import GPT2Config, LlamaConfig, OPTConfig
 
     family, numbers = SHAPES[name]
-    return (OPTConfig if family == "opt" else LlamaConfig)(**numbers)
+    return {"opt": OPTConfig, "gpt2": GPT2Config, "llama": LlamaConfig}[family](**numbers)
 
 
 def causal_lm(config: Any, device: str | torch.device = "cpu") -> nn.Module:

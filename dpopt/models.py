@@ -53,6 +53,7 @@ def _quiet_transformers() -> ModuleType:
 
 
 MINILM_SHAPE = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536)
+BERT_BASE_SHAPE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
 
 
 class SentenceClassifier(nn.Module):
@@ -105,6 +106,13 @@ def minilm_random(data: Dataset) -> nn.Module:
     """MiniLM's architecture with random weights (a BERT-shaped model for speed and memory work)."""
     t = _quiet_transformers()
     return t.BertForSequenceClassification(t.BertConfig(vocab_size=30522, num_labels=data.num_classes, **MINILM_SHAPE))
+
+
+def bert_base_random(data: Dataset) -> nn.Module:
+    """BERT-base's architecture (Devlin et al. 2019: 12 layers, hidden 768) with random weights, for speed work."""
+    t = _quiet_transformers()
+    return t.BertForSequenceClassification(t.BertConfig(vocab_size=30522, num_labels=data.num_classes,
+                                                        **BERT_BASE_SHAPE))
 
 
 SENTIMENT_PROMPTS = ("This movie is terrible.", "This movie is great.")  # class 0 (rotten), class 1 (fresh)

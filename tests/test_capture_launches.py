@@ -247,6 +247,28 @@ def test_model_norms_and_sums_are_the_per_example_gradients(case):
             assert torch.allclose(got, torch.tensordot(w, g, dims=1), rtol=1e-9, atol=1e-12)
 
 
+
+def test_a_tied_table_is_normed_and_summed_without_its_per_example_gradients(monkeypatch):
+    """An embedding table that is also the output layer (GPT-2's and OPT's tied ``wte``/``lm_head``): its squared
+    norms (the two uses' Gram products and their cross term) and its weighted sum come from the captured factors;
+    no [B, vocabulary, width] per-example gradient is built."""
+    model, batch, loss = tied_case()
+    engine = PerExampleEngine(model, loss)
+    tied = next(j for j, p in enumerate(engine.params) if p is model.emb.weight)
+    stat = engine.gradients(batch)
+    assert len(stat.terms[tied]) > 1  # the lookups and the output layer: one parameter of several terms
+    want_sq = stat.materialize()[tied].flatten(1).square().sum(1)
+    w = torch.rand(len(batch[-1]))
+    want_sum = torch.tensordot(w, stat.materialize()[tied], dims=1)
+
+    def refuse(self, s=slice(None)):
+        raise AssertionError("a per-example gradient was materialised")
+
+    monkeypatch.setattr(Outer, "materialize", refuse)
+    monkeypatch.setattr(Outer, "flat", refuse)
+    assert torch.allclose(stat.sq_norms()[:, tied], want_sq, rtol=1e-4)
+    assert torch.allclose(stat.weighted_sum(w)[tied], want_sum, rtol=1e-4, atol=1e-6)
+
 def test_a_bert_shaped_norm_stage_grows_by_gram_products_alone_with_depth():
     """From 2 to 4 BERT layers the norm stage's operations grow by the two Gram products of each Linear weight
     (6 a layer), nothing else: biases and norm layers are normed together, whatever their count."""
