@@ -77,7 +77,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
         if isinstance(dp.base, torch.optim.Optimizer):
             self.param_groups, self.state, self.defaults = dp.base.param_groups, dp.base.state, dp.base.defaults
         self.dp, self.mean, self.key, self.delta = dp, mean, key, delta
-        # the recipe evaluates the loss itself, several times (a sharded step: twice, norms then clipped sum)
+        # the recipe evaluates the loss itself (several times, or, sharded, inside its step)
         self.needs_closure = dp._statistic is not None or isinstance(dp, ShardedStep)
         self._real = True  # a sharded rank's physical batch holds its own examples (False: weight 0, see rounds)
         self._size: int | None = None  # the physical batch handed out and not stepped yet
@@ -164,10 +164,10 @@ class PrivateOptimizer(torch.optim.Optimizer):
         return losses
 
     def _sharded_step(self, closure: Callable[[], torch.Tensor] | None, size: int) -> None:
-        """``step`` on a sharded model: the physical batch's clipped sum added to the sharded gradients (two passes
-        of the closure); after the last one, release once and update."""
+        """``step`` on a sharded model: the physical batch's clipped sum added to the sharded gradients (the closure
+        evaluated inside the step); after the last one, release once and update."""
         if closure is None:
-            raise RuntimeError("a sharded model evaluates the loss twice per batch (the norms, then the clipped sum): "
+            raise RuntimeError("a sharded model evaluates the loss inside its step: "
                                "pass a closure returning the batch's per-example losses, "
                                "optimizer.step(lambda: loss_fn(model, batch)), instead of calling backward")
         self.dp.accumulate(Closure(closure, size), self._real)

@@ -47,7 +47,17 @@ def _noise_on_every_rank(self: sharded.ShardedStep, grads: list[torch.Tensor]) -
     _release(self, grads)
 
 
+_add = sharded._ShardSum.add_
+
+
+def _averaging_reduce_scatter(self: sharded._ShardSum, whole: torch.Tensor) -> sharded._ShardSum:
+    """The reduce-scatter of each parameter's clipped sum averages over the W ranks (ReduceOp.AVG): the clipped
+    sum, and so the signal against the noise, divided by W."""
+    return _add(self, whole / self.total.device_mesh.size())
+
+
 SHARDED_BROKEN = {
-    "averaging-left-on": (sharded, "summing", lambda model: None),  # FSDP2's default: the sum divided by W
+    "averaging-left-on": (sharded, "summing", lambda model: None),  # FSDP2's default: its backward divided by W
+    "averaging-reduce-scatter": (sharded._ShardSum, "add_", _averaging_reduce_scatter),
     "noise-on-every-rank": (sharded.ShardedStep, "_release", _noise_on_every_rank),
 }

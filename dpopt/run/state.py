@@ -16,7 +16,7 @@ from dpopt.sharded import gathered, load_model_state
 def checkpoint_state(run: Run, history: list[dict[str, Any]], wall: float, cpu: float, epoch_losses: list[float],
                      epoch_nonfinite: int, epoch_clipped: tuple[int, int] | list[int] = (0, 0)) -> dict[str, Any]:
     """A checkpoint: model, optimizer, ledger, sampler and RNG state, and the current epoch's partial statistics
-    (a sharded run's gathered on every rank: the unsharded run's format).
+    (a sharded run's gathered on rank 0, the unsharded run's format; the other ranks take part and keep nothing).
     The secret streams and the sampler are counter-based (their state is the run's secret key plus the next
     step: the key makes the checkpoint private); the public torch generator is re-seeded every step and is
     saved as well."""
