@@ -28,6 +28,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Sampler, Subset
 from transformers import Trainer
 
@@ -93,6 +95,22 @@ class PrivacyArguments:
     accountant: str = "pld"
     secret_seed: int | None = None
     hyperparameters: dict[str, Any] = field(default_factory=dict)  # a recipe's others, e.g. {"rank": 4}
+
+
+SHARDED_INSTEAD = ("a model sharded over several processes trains with make_private(..., parallel=DataParallel()) "
+                   "or dpopt train --shard")
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` is sharded over processes: wrapped by FSDP2's ``fully_shard`` or FSDP1, or holding
+    ``DTensor`` parameters (tensor parallelism). ``PrivateTrainer`` refuses such a model: its step would neither
+    sum the ranks' clipped sums nor add each coordinate's noise once.
+
+    :param model: the model, before the Trainer sees it.
+    :returns: True if any of its modules or parameters is sharded.
+    """
+    return (any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
+            or any(isinstance(p, DTensor) for p in model.parameters()))
 
 
 def per_example_loss(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
@@ -213,7 +231,8 @@ class PrivateTrainer(Trainer):
         takes a classifier's cross-entropy (squared error for one output) or a language model's token
         cross-entropy averaged over each example's own labelled tokens.
     :param kwargs: the ``Trainer``'s keyword arguments.
-    :raises ValueError: for ``gradient_accumulation_steps`` other than 1 (the logical batch is
+    :raises ValueError: for a sharded model (``is_sharded``: use ``make_private(..., parallel=...)`` or
+        ``dpopt train --shard``), ``gradient_accumulation_steps`` other than 1 (the logical batch is
         ``PrivacyArguments.batch_size``), more than one process (``dpopt train --nproc`` runs data-parallel),
         ``fp16`` (use bf16 or fp32), and at ``train()`` without a ``train_dataset`` or for a privacy setting
         ``make_private`` refuses.
@@ -224,12 +243,16 @@ class PrivateTrainer(Trainer):
     def __init__(self, *args: Any, privacy: PrivacyArguments,
                  per_example_loss: Callable[[nn.Module, dict[str, Any]], torch.Tensor] = per_example_loss,
                  **kwargs: Any) -> None:
+        model = kwargs.get("model", args[0] if args else None)
+        if model is not None and is_sharded(model):  # before the Trainer moves or wraps it
+            raise ValueError(f"PrivateTrainer trains an unsharded model in one process; {SHARDED_INSTEAD}")
         super().__init__(*args, **kwargs)
         if self.args.gradient_accumulation_steps != 1:
             raise ValueError("gradient_accumulation_steps must be 1: the logical batch is PrivacyArguments.batch_size, "
                              "walked through in physical batches of per_device_train_batch_size")
         if self.args.world_size != 1:
-            raise ValueError("PrivateTrainer runs on one process; for data parallelism use dpopt train --nproc")
+            raise ValueError("PrivateTrainer runs on one process (for data parallelism use dpopt train --nproc); "
+                             f"{SHARDED_INSTEAD}")
         if self.args.fp16:
             raise ValueError("fp16 is not supported by PrivateTrainer (its loss scaler never sees the per-example "
                              "gradients); use bf16, or fp32")

@@ -140,6 +140,40 @@ def test_bad_use_is_refused(tmp_path):
                        privacy=privacy).train(resume_from_checkpoint=True)
 
 
+def test_a_sharded_model_or_several_processes_are_refused_in_one_line(tmp_path, monkeypatch):
+    """A sharded model (here over a 1-process gloo group: the Trainer sees one process, as it does in the ranks of
+    dpopt's launcher) is refused before the Trainer sees it: fully_shard at its root or at an inner module, a DTensor
+    parameter, FSDP1; a Trainer that sees several processes (torchrun) is refused too. Both name what to use
+    instead."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    instead = r"make_private\(\.\.\., parallel=DataParallel\(\)\) or dpopt train --shard"
+    data, privacy = as_list(examples()), PrivacyArguments(noise_multiplier=1.0, batch_size=8)
+    with monkeypatch.context() as patch:
+        patch.setattr(TrainingArguments, "world_size", property(lambda self: 2))
+        with pytest.raises(ValueError, match=f"runs on one process .*dpopt train --nproc.*; .*{instead}"):
+            PrivateTrainer(tiny_bert(), arguments(tmp_path), train_dataset=data, privacy=privacy)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        whole, inner, tensor_parallel = tiny_bert(), tiny_bert(), tiny_bert()
+        fully_shard(whole, mesh=mesh)
+        fully_shard(inner.bert.encoder, mesh=mesh)
+        head = tensor_parallel.classifier
+        head.weight = torch.nn.Parameter(distribute_tensor(head.weight.detach(), mesh, [Shard(0)]))
+        fsdp1 = FullyShardedDataParallel(tiny_bert(), device_id=torch.device("cpu"))
+        for model in (whole, inner, tensor_parallel, fsdp1):
+            with pytest.raises(ValueError, match=f"unsharded model in one process; .*{instead}") as refused:
+                PrivateTrainer(model, arguments(tmp_path), train_dataset=data, privacy=privacy)
+            assert "\n" not in str(refused.value)
+        with pytest.raises(ValueError, match=instead):
+            PrivateTrainer(model=inner, args=arguments(tmp_path), train_dataset=data, privacy=privacy)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def test_bf16_steps_stay_within_bf16_tolerance_of_fp32(tmp_path):
     """TrainingArguments(bf16=True): the forward and backward autocast (accelerate), norms and sums in float32."""
     flat = lambda m: torch.cat([p.detach().flatten() for p in m.parameters()])  # noqa: E731
