@@ -104,13 +104,36 @@ def parameter_count(name: str) -> int:
     return sum(p.numel() for p in build(name, "meta").parameters())
 
 
-def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+# Positions whose float32 log-probabilities over the vocabulary the next-token loss forms at once.
+LOSS_CHUNK = 16
+
+
+def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor], chunk: int | None = LOSS_CHUNK) -> torch.Tensor:
     """Per-example next-token loss: the mean over positions 1..T-1 of the cross-entropy of predicting token t
     from tokens before it, one value per example ([B], float32 even under autocast).
 
+    The cross-entropy is taken over ``chunk`` positions at a time, each chunk under ``torch.utils.checkpoint``: the
+    backward pass keeps the logits (in the forward's precision) and recomputes a chunk's float32 log-probabilities
+    when it reaches it, so those of the whole sequence (4 bytes x positions x vocabulary, a few hundred MB at
+    batch 8, sequence 128 and a 50k vocabulary) never exist at once. The model itself runs unchanged (its output
+    layer once per forward, under whatever hooks it carries).
+
     :param batch: ``input_ids`` [B, T] and ``attention_mask`` [B, T].
+    :param chunk: positions per chunk (None: all at once, the float32 log-probabilities kept for the backward).
     """
     ids = batch["input_ids"]
-    logits = model(input_ids=ids, attention_mask=batch["attention_mask"]).logits[:, :-1]
-    losses = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
-    return losses.view(ids.shape[0], -1).mean(1)
+    logits, targets = model(input_ids=ids, attention_mask=batch["attention_mask"]).logits[:, :-1], ids[:, 1:]
+    if chunk is None:
+        return _token_losses(logits, targets).mean(1)
+    from torch.utils.checkpoint import checkpoint
+
+    losses = [checkpoint(_token_losses, part, target, use_reentrant=False)
+              for part, target in zip(logits.split(chunk, 1), targets.split(chunk, 1))]
+    return torch.cat(losses, 1).mean(1)
+
+
+def _token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The float32 cross-entropy [B, L] of logits [B, L, V] against token ids [B, L]."""
+    b, length = targets.shape
+    return torch.nn.functional.cross_entropy(logits.float().reshape(b * length, -1), targets.reshape(-1),
+                                             reduction="none").view(b, length)

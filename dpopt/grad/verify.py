@@ -19,6 +19,7 @@ from dpopt.grad.routing import Planner, Probe, UnattributableError
 
 if TYPE_CHECKING:
     from dpopt.grad.engine import PerExampleEngine
+    from dpopt.grad.gradients import PerExampleGradients
 
 # Modules whose training-mode forward mixes the examples of a batch, or stores batch statistics.
 _MIXING = (nn.modules.batchnorm._BatchNorm,)
@@ -39,14 +40,52 @@ def check_no_mixing(model: nn.Module) -> None:
                 "it with GroupNorm (dpopt.models.replace_batchnorm(model)) or freeze it "
                 "(dpopt.models.freeze_batchnorm(model)).")
 
-def check_attribution(engine: PerExampleEngine, batch: Any, examples: int = 3, rtol: float = 1e-3) -> None:
+# One example's reference gradients are taken a group of parameters at a time (``reference_groups``), each group at
+# most this fraction of the parameters' bytes, and never under ``MIN_GROUP_BYTES`` (below it, one group: the model is
+# small enough that one backward per example is cheaper than several, and as light).
+REFERENCE_GROUP_FRACTION = 1 / 8
+MIN_GROUP_BYTES = 2**28
+
+
+def reference_groups(params: list[torch.Tensor], group_bytes: int) -> list[list[int]]:
+    """Consecutive runs of parameter indices whose bytes add up to at most ``group_bytes`` each (a parameter larger
+    than that forms a group of its own).
+
+    :param params: the parameters, in the engine's order.
+    :param group_bytes: the most bytes a group of two or more parameters holds.
+    :returns: the groups, covering every index once, in order.
+    """
+    groups: list[list[int]] = [[]]
+    held = 0
+    for j, p in enumerate(params):
+        size = p.numel() * p.element_size()
+        if groups[-1] and held + size > group_bytes:
+            groups.append([])
+            held = 0
+        groups[-1].append(j)
+        held += size
+    return groups
+
+
+def default_group_bytes(params: list[torch.Tensor]) -> int:
+    """``REFERENCE_GROUP_FRACTION`` of the parameters' bytes, at least ``MIN_GROUP_BYTES``."""
+    total = sum(p.numel() * p.element_size() for p in params)
+    return max(int(total * REFERENCE_GROUP_FRACTION), MIN_GROUP_BYTES)
+
+
+def check_attribution(engine: PerExampleEngine, batch: Any, examples: int = 3, rtol: float = 1e-3,
+                      group_bytes: int | None = None) -> None:
     """Refuse a model or loss that mixes examples (``check_per_example``), then compare the engine's per-example
     gradients on the first ``examples`` (at least 3) examples of ``batch`` with one autograd backward per example
     (in eval mode, so dropout cannot differ). A mismatch means some layer's gradient was attributed to the wrong
     example, which would void the clipping bound. In hooks mode, the layers hooks cannot attribute (found by a
     probe forward, or by a mismatch) are routed to torch.func over a batch-first module around them first
     (``routing.py``, one log line), and refused only where no such module exists. Reads the batch, releases
-    nothing."""
+    nothing.
+
+    :param group_bytes: the most bytes of reference gradients held at once (``reference_groups``; None:
+        ``default_group_bytes``). The decisions do not depend on it; the memory and the number of backward passes do.
+    """
     size = batch_size_of(batch)
     if not 3 <= examples <= size:
         raise ValueError(f"attribution is verified on at least 3 examples, and the batch holds {size} "
@@ -55,13 +94,15 @@ def check_attribution(engine: PerExampleEngine, batch: Any, examples: int = 3, r
     pick = lambda idx: tree_unflatten([t[idx] if isinstance(t, torch.Tensor) and t.dim() > 0  # noqa: E731
                                        and t.shape[0] == size else t for t in leaves], spec)
     check_per_example(engine.model, engine.loss_fn, pick(slice(0, max(examples, min(8, size)))))
+    groups = reference_groups(engine.params, default_group_bytes(engine.params) if group_bytes is None
+                              else group_bytes)
     was_training, projection, precision = engine.model.training, engine.projection, engine.precision
     engine.model.eval()
     engine.projection = None  # attribution is checked on the unprojected gradients, in full precision
     engine.precision = "fp32"
     try:
         planner = Planner(engine, Probe(engine, pick(slice(0, examples)))) if engine.mode == "hooks" else None
-        while (wrong := _mismatches(engine, pick, examples, rtol)) is not None:
+        while (wrong := _mismatches(engine, pick, examples, rtol, groups)) is not None:
             params, reason = wrong
             if planner is None:
                 raise ExampleMixingError(f"{reason}: this layer's batch dimension is not dimension 0 of its input, "
@@ -77,30 +118,21 @@ def check_attribution(engine: PerExampleEngine, batch: Any, examples: int = 3, r
         engine.projection, engine.precision = projection, precision
 
 
-def _mismatches(engine: PerExampleEngine, pick: Callable[[slice], Any], examples: int,
-                rtol: float) -> tuple[set[int], str] | None:
+def _mismatches(engine: PerExampleEngine, pick: Callable[[slice], Any], examples: int, rtol: float,
+                groups: list[list[int]]) -> tuple[set[int], str] | None:
     """The parameters whose per-example gradients differ from single-example backward passes, and the worst
-    difference in words; None if they match. One example's reference gradients are held at a time, and compared
-    parameter by parameter with that example's row of the engine's statistic (each reference dropped once
-    compared), so the check needs about one gradient of the model besides the statistic, not ``examples + 2``."""
+    difference in words; None if they match. Each example's reference gradients are taken one group of parameters
+    at a time (``_errors``), so the check holds one group of reference gradients and one parameter's row of the
+    engine's statistic besides the statistic, not a whole gradient of the model."""
     with _unroutable(engine):
         got = engine.gradients(pick(slice(0, examples)))
     wrong: set[int] = set()
     reason = ""
     for i in range(examples):
-        ref: list[torch.Tensor | None] = list(torch.autograd.grad(
-            engine.loss_fn(engine.model, pick(slice(i, i + 1))).sum(), engine.params, allow_unused=True))
-        if not all(r is None or torch.isfinite(r).all() for r in ref):  # non-finite: the clip stage gives it weight 0
+        compared = _errors(engine, got, pick(slice(i, i + 1)), i, groups)
+        if compared is None:  # a non-finite reference: the clip stage gives this example weight 0
             continue
-        norms: list[float] = []  # per parameter: the reference's norm, and its distance from the engine's
-        errors: list[float] = []
-        for j in range(len(ref)):
-            r, ref[j] = ref[j], None  # each reference gradient is dropped once compared
-            with _unroutable(engine):
-                g = got.parameter(j, slice(i, i + 1))[0]
-            norms.append(0.0 if r is None else float(r.norm()))
-            errors.append(float((g if r is None else g.sub_(r)).norm()))
-            del g, r
+        norms, errors = compared
         total = math.sqrt(sum(n * n for n in norms))
         if sum(e * e for e in errors) ** 0.5 <= rtol * total + 1e-6:
             continue
@@ -110,6 +142,30 @@ def _mismatches(engine: PerExampleEngine, pick: Callable[[slice], Any], examples
                             f"backward passes (parameter {engine.names[j]!r}, relative error "
                             f"{errors[j] / max(total, 1e-12):.2e})")
     return (wrong, reason) if wrong else None
+
+
+def _errors(engine: PerExampleEngine, got: PerExampleGradients, example: Any, i: int,
+            groups: list[list[int]]) -> tuple[list[float], list[float]] | None:
+    """Per parameter, the norm of example ``i``'s reference gradient (one autograd backward of its loss alone) and
+    its distance from row ``i`` of ``got``; None if a reference gradient is not finite. The example's forward graph
+    is kept and differentiated once per group (``torch.autograd.grad`` towards that group's parameters only), each
+    group's references dropped once compared."""
+    loss = engine.loss_fn(engine.model, example).sum()
+    norms = [0.0] * len(engine.params)
+    errors = [0.0] * len(engine.params)
+    for k, group in enumerate(groups):
+        ref: list[torch.Tensor | None] = list(torch.autograd.grad(
+            loss, [engine.params[j] for j in group], allow_unused=True, retain_graph=k < len(groups) - 1))
+        if not all(r is None or torch.isfinite(r).all() for r in ref):
+            return None
+        for n, j in enumerate(group):
+            r, ref[n] = ref[n], None  # each reference gradient is dropped once compared
+            with _unroutable(engine):
+                g = got.parameter(j, slice(i, i + 1))[0]
+            norms[j] = 0.0 if r is None else float(r.norm())
+            errors[j] = float((g if r is None else g.sub_(r)).norm())
+            del g, r
+    return norms, errors
 
 
 @contextlib.contextmanager
