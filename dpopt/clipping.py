@@ -64,34 +64,46 @@ class Clipping:
                 check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-example, per-parameter weights [B, P] (flat and automatic: one column, expanded) and the mask of
         examples with finite norms [B]. A negative squared norm is refused: norms are sums of squares, so it can
-        only be a numerical failure, and turning it into a weight (NaN, then 0) would hide it. ``check=False``
+        only be a numerical failure, and turning it into a weight would hide it. ``check=False``
         leaves that check to the caller (which must make it before anything is released: ``clip_and_sum`` does,
         after its one read, and raises instead of returning the sums these weights formed)."""
+        sq_norms = _nan_as_inf(sq_norms)
         if check:
             _refuse_negative(float(_lowest(sq_norms)))
+        return self._weights(sq_norms, groups)
+
+    def _weights(self, sq_norms: torch.Tensor, groups: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``weights`` of squared norms in which no entry is NaN (``_nan_as_inf``), unchecked."""
         if self.mode == "per-layer":
             group = _group_index(tuple(groups), sq_norms.device)
             n_groups = max(groups) + 1
             per_group = sq_norms.new_zeros(sq_norms.shape[0], n_groups).index_add_(1, group, sq_norms)
-            norms = per_group.sqrt()
-            finite = (norms < math.inf).all(1)  # NaN is not below
-            w = (self.bound / math.sqrt(n_groups) / norms.clamp_min(1e-30)).clamp(max=1.0)[:, group]
+            finite = (per_group < math.inf).all(1)
+            # min(1, C / sqrt(L) / ||g_l||) as rsqrt(||g_l||^2) C / sqrt(L): a zero norm gives inf, then 1
+            w = per_group.rsqrt().mul_(self.bound / math.sqrt(n_groups)).clamp_(max=1.0)[:, group]
             return torch.where(finite.unsqueeze(1), w, 0.0), finite
-        norms = sq_norms.sum(1).sqrt()
-        finite = norms < math.inf
+        sq = sq_norms.sum(1)
+        finite = sq < math.inf
         if self.mode == "flat":
-            w = (self.bound / norms.clamp_min(1e-30)).clamp(max=1.0)
+            w = sq.rsqrt().mul_(self.bound).clamp_(max=1.0)  # min(1, C / ||g||); a zero norm gives inf, then 1
         else:
-            w = self.bound / (norms + self.stability)
-        # an infinite norm gives weight 0 already, a NaN one NaN: made 0
-        return w.nan_to_num(0.0).unsqueeze(1).expand_as(sq_norms), finite
+            w = self.bound / (sq.sqrt() + self.stability)
+        # an infinite norm (a NaN one included) gives weight 0
+        return w.unsqueeze(1).expand_as(sq_norms), finite
+
+
+def _nan_as_inf(sq_norms: torch.Tensor) -> torch.Tensor:
+    """``sq_norms`` with NaN as +inf: an example of NaN norm is one of infinite norm (weight 0, not finite), and
+    the lowest entry is found by a plain minimum."""
+    return sq_norms.nan_to_num(math.inf, math.inf, -math.inf)
 
 
 def _lowest(sq_norms: torch.Tensor) -> torch.Tensor:
-    """The smallest entry of ``sq_norms`` that is not NaN (0 for none), on the device: negative if any is."""
+    """The smallest entry of ``sq_norms`` (``_nan_as_inf``: no NaN), 0 for none, on the device: negative if any
+    is."""
     if not sq_norms.numel():
         return sq_norms.new_zeros(())
-    return sq_norms.nan_to_num(0.0, math.inf, -math.inf).amin()
+    return sq_norms.amin()
 
 
 def _refuse_negative(lowest: float) -> None:
@@ -116,8 +128,10 @@ class ClipStats:
 
 
 def loss_totals(losses: torch.Tensor) -> torch.Tensor:
-    """[sum, count] of the finite entries of ``losses`` in float64, on the device."""
-    return torch.stack([losses.nan_to_num(0.0, 0.0, 0.0), losses.abs() < math.inf]).sum(1, dtype=torch.float64)
+    """[sum, count] of the finite entries of ``losses`` in float64, on the device (an entry is finite where zeroing
+    the non-finite ones leaves it equal)."""
+    finite_values = losses.nan_to_num(0.0, 0.0, 0.0)
+    return torch.stack([finite_values, finite_values == losses]).sum(1, dtype=torch.float64)
 
 
 class Weighing:
@@ -128,15 +142,17 @@ class Weighing:
 
     def __init__(self, clipping: Clipping, groups: list[int], losses: torch.Tensor | None = None) -> None:
         self.clipping, self.groups = clipping, groups
-        self._calls: list[torch.Tensor] = []  # [lowest, finite, below 1] of each call, not read yet
+        # of each call, not read yet: the lowest squared norm, the finite examples and those weighted below 1 ([1] each)
+        self._calls: list[torch.Tensor] = []
         self._losses = None if losses is None else loss_totals(losses)  # [sum, count], not read yet
         self.lowest, self.finite, self.below = 0.0, 0, 0
         self.losses: tuple[float, int] | None = None
 
     def __call__(self, sq_norms: torch.Tensor) -> torch.Tensor:
-        w, finite = self.clipping.weights(sq_norms, self.groups, check=False)
+        sq_norms = _nan_as_inf(sq_norms)
+        w, finite = self.clipping._weights(sq_norms, self.groups)
         smallest = w[:, 0] if w.stride(1) == 0 else w.amin(1)  # one weight per example (flat) or per part
-        self._calls.append(torch.stack([_lowest(sq_norms), finite.sum(), (smallest < 1).sum()]))
+        self._calls += [_lowest(sq_norms).reshape(1), finite.sum().reshape(1), (smallest < 1).sum().reshape(1)]
         return w
 
     def restart(self) -> None:
@@ -151,7 +167,7 @@ class Weighing:
         if not parts:
             return []
         values = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
-        calls = values[:3 * len(self._calls)]
+        calls = values[:len(self._calls)]
         self.lowest = min([self.lowest, *calls[0::3]])
         self.finite += int(sum(calls[1::3]))
         self.below += int(sum(calls[2::3]))

@@ -131,3 +131,23 @@ def test_a_cancelling_two_point_example_is_recomputed_exactly(cancel):
     assert stats.nonfinite == nonfinite == 0
     for got, w in zip(sums, want):
         assert torch.allclose(got, w, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "ghost"])
+def test_a_non_finite_example_releases_what_the_batch_without_it_releases(strategy):
+    """The clip stage reads its counts before it sums: with every norm finite no sum zeroes non-finite entries; with
+    a non-finite example (a NaN in its image) the sums zero them, the materialised parameters' sums formed again. The
+    release, noise included, is then the batch without that example's, and finite."""
+    tokens, images, y = zoo_data()
+    keep = torch.arange(B) != 5  # zoo_data's non-finite example
+    torch.manual_seed(1)
+    engine = PerExampleEngine(Zoo().double(), zoo_loss, strategy=strategy)
+    privatizer = Privatizer(Clipping(0.1), GaussianNoise(1.0, 0.1, SecretStream(1, "noise")),
+                            FixedOrderSampler(B, B, SecretStream(2, "sampling")), PrivacyLedger())
+    released = []
+    for batch in ((tokens, images, y), (tokens[keep], images[keep], y[keep])):
+        sums, stats = privatizer.clip(engine.gradients(batch))
+        assert stats.nonfinite == int(len(batch[0]) == B)
+        released.append(privatizer.release(sums, step=0))
+    for got, want in zip(*released):
+        assert torch.isfinite(got).all() and torch.allclose(got, want, rtol=1e-9, atol=1e-12)

@@ -21,10 +21,11 @@ On an accelerator each operation is a kernel launch, and a private step is bound
 kind are normed together (``sq_norms_of``: the Gram matrices of all Linear-like captures of equal steps in one
 buffer, dense ones stacked by size) and summed together (``dense_sums``; ``outer_sums`` for Linear layers of equal
 shapes), with no copy for a single chunk, and one-hot captures are merged with static shapes and no host
-synchronisation (``coalesce``). Nothing depends on the data's values but the rare exact recomputation of cancelled
-ghost norms: a weighted sum zeroes the non-finite entries of its rows (those of weight 0) instead of leaving the rows
-out, and which ghost norms cancelled may be left pending (``sq_norms_of``) for the clip stage to read with its own
-counts (``resolve``).
+synchronisation (``coalesce``). Nothing depends on the data's values up to the clip stage's one read: a weighted sum
+zeroes the non-finite entries of its rows (those of weight 0) instead of leaving the rows out, or, where the clip
+stage has read that every example's norm is finite, sums the rows as they are (``sanitize``); which ghost norms
+cancelled may be left pending (``sq_norms_of``) for the clip stage to read with its own counts (``resolve``), and
+their rare exact recomputation follows that read.
 """
 
 from __future__ import annotations
@@ -95,6 +96,15 @@ def _stacked(ts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return torch.stack(ts, out=ts[0].new_empty((len(ts), *ts[0].shape), dtype=dtype))
 
 
+def _stacked_weights(ws: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Per-capture weights [B] as one [K, B] tensor of ``dtype``: ``_stacked``, or, where they are all one view (flat
+    and automatic clipping: every column of the weights is the same one), that view expanded, without a copy."""
+    first = ws[0]
+    if all(w.data_ptr() == first.data_ptr() and w.stride() == first.stride() and w.shape == first.shape for w in ws):
+        return first.to(dtype).unsqueeze(0).expand(len(ws), *first.shape)
+    return _stacked(ws, dtype)
+
+
 def _flat_stacked(gs: list[torch.Tensor]) -> torch.Tensor:
     """Per-example gradients [B, ...] of equal numel as one [K, B, numel] tensor in float32 at least."""
     return _stacked([g.reshape(g.shape[0], -1) for g in gs], _wide(gs[0].dtype))
@@ -127,7 +137,9 @@ class Capture:
         """A [numel] tensor in ``flat``'s order, in the parameter's shape."""
         return t.view(self.shape)
 
-    def weighted_sum(self, w: torch.Tensor) -> torch.Tensor:
+    def weighted_sum(self, w: torch.Tensor, sanitize: bool = True) -> torch.Tensor:
+        """sum_i w_i G_i; with ``sanitize`` a row of weight 0 contributes exactly zero, its non-finite entries zeroed
+        (``_zeroed``); without, the caller knows every row to be finite."""
         raise NotImplementedError
 
     def held_elements(self) -> int:
@@ -143,35 +155,38 @@ class Dense(Capture):
     def materialize(self, s: slice = slice(None)) -> torch.Tensor:
         return self.g[s]
 
-    def weighted_sum(self, w: torch.Tensor) -> torch.Tensor:
-        """sum_i w_i g[i]; a row of weight 0 contributes exactly zero (non-finite entries are zeroed: the rows of
-        finite norm have none)."""
-        return torch.tensordot(_f32(w), _zeroed(_f32(self.g)), dims=1)
+    def weighted_sum(self, w: torch.Tensor, sanitize: bool = True) -> torch.Tensor:
+        """sum_i w_i g[i] (``Capture.weighted_sum``)."""
+        return torch.tensordot(_f32(w), _zeroed(_f32(self.g), sanitize=sanitize), dims=1)
 
     def held_elements(self) -> int:
         return self.g.numel()
 
 
 
-def _zeroed(t: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+def _zeroed(t: torch.Tensor, inplace: bool = False, sanitize: bool = True) -> torch.Tensor:
     """``t`` with its non-finite entries 0, before a weighted sum: only an example of non-finite norm has any, and
     its weight is 0, so it then contributes exactly zero (0 * NaN would be NaN) without a host synchronisation to
-    find and drop its rows."""
+    find and drop its rows. ``sanitize=False``: ``t`` itself, for a caller that knows every row to be finite (the
+    clip stage, once it has read its count of finite norms: a kernel launch saved per factor)."""
+    if not sanitize:
+        return t
     return t.nan_to_num_(0.0, 0.0, 0.0) if inplace else t.nan_to_num(0.0, 0.0, 0.0)
 
 
-def dense_sums(captures: list[Dense], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+def dense_sums(captures: list[Dense], weights: list[torch.Tensor], sanitize: bool = True) -> list[torch.Tensor]:
     """``captures[k].weighted_sum(weights[k])`` for every k (book-keeping sums of biases, norm layers' weights):
     sum_i w_k[i] g_k[i], float32 at least, as one batched product [K, 1, B] @ [K, B, numel] per run of captures of
-    equal size. Each sum is in its capture's shape, in memory of its own (no capture's)."""
+    equal size. Each sum is in its capture's shape, in memory of its own (no capture's). ``sanitize``: as
+    ``_zeroed``."""
     out: list[torch.Tensor | None] = [None] * len(captures)
     groups: dict[Hashable, list[int]] = {}
     for k, c in enumerate(captures):
         groups.setdefault((math.prod(c.shape), _wide(c.g.dtype), c.g.device, c.batch_size), []).append(k)
     for (numel, _, device, batch), items in groups.items():
         for run in _runs(items, batch * numel, device):
-            g = _zeroed(_flat_stacked([captures[k].g for k in run]))
-            w = _stacked([weights[k] for k in run], g.dtype)
+            g = _zeroed(_flat_stacked([captures[k].g for k in run]), sanitize=sanitize)
+            w = _stacked_weights([weights[k] for k in run], g.dtype)
             for k, total in zip(run, torch.bmm(w.unsqueeze(1), g).squeeze(1)):
                 out[k] = total.view(captures[k].shape)
     return out
@@ -245,20 +260,20 @@ class Outer(Capture):
             out = torch.bmm(_f32(left).transpose(1, 2), right)
         return out.view(b, *self.shape)
 
-    def weighted_sum(self, w: torch.Tensor) -> torch.Tensor:
-        """sum_i w_i G_i by book-keeping; a row of weight 0 contributes exactly zero (``_zeroed``)."""
+    def weighted_sum(self, w: torch.Tensor, sanitize: bool = True) -> torch.Tensor:
+        """sum_i w_i G_i by book-keeping (``Capture.weighted_sum``)."""
         self.check_unchanged()
         b, t, n = self.right.shape
         w = _f32(w).view(b, 1, 1)  # a low-precision factor times w is float32 (type promotion): no separate cast
         if self.indexed:
-            scaled = _zeroed(self.right * w, inplace=True).reshape(b * t, n)
+            scaled = _zeroed(self.right * w, True, sanitize).reshape(b * t, n)
             out = scaled.new_zeros(self.rows, n).index_add_(0, self.left.reshape(-1), scaled)
         elif self.left.shape[-1] <= n:  # rescale the smaller factor
-            left = _zeroed(self.left * w, inplace=True).reshape(b * t, self.rows)
-            out = left.T @ _zeroed(_f32(self.right)).reshape(b * t, n)
+            left = _zeroed(self.left * w, True, sanitize).reshape(b * t, self.rows)
+            out = left.T @ _zeroed(_f32(self.right), sanitize=sanitize).reshape(b * t, n)
         else:
-            right = _zeroed(self.right * w, inplace=True).reshape(b * t, n)
-            out = _zeroed(_f32(self.left)).reshape(b * t, self.rows).T @ right
+            right = _zeroed(self.right * w, True, sanitize).reshape(b * t, n)
+            out = _zeroed(_f32(self.left), sanitize=sanitize).reshape(b * t, self.rows).T @ right
         return out.view(self.shape)
 
     def held_elements(self) -> int:
@@ -409,9 +424,12 @@ class ConvOuter(Outer):
     def materialize(self, s: slice = slice(None)) -> torch.Tensor:
         return self.unflat(self.flat(s))
 
-    def weighted_sum(self, w: torch.Tensor) -> torch.Tensor:
+    def weighted_sum(self, w: torch.Tensor, sanitize: bool = True) -> torch.Tensor:
+        """``Capture.weighted_sum``; the input's non-finite entries are zeroed even without ``sanitize``: one that no
+        window covers (a stride past the last pixel) leaves the norm finite, and the weight-gradient kernel may
+        still spread it (an FFT algorithm, say)."""
         self.check_unchanged()
-        g = _zeroed(self.g * _f32(w).view(-1, 1, 1, 1), inplace=True)
+        g = _zeroed(self.g * _f32(w).view(-1, 1, 1, 1), True, sanitize)
         shape = (self.rows, self.x.shape[1] // self.groups, *self.kernel)
         return torch.nn.grad.conv2d_weight(_zeroed(_f32(self.x)), shape, g, stride=self.stride, padding=self.padding,
                                            dilation=self.dilation, groups=self.groups).view(self.shape)
@@ -466,7 +484,9 @@ def _ghost_sq_norms(run: list[Outer]) -> tuple[torch.Tensor, torch.Tensor | None
         grams = first.right.new_empty((2, len(run), n, t, t), dtype=_wide(first.right.dtype))
         for k, c in enumerate(run):
             _self_grams(c, s, grams[:, k])
-        sq.append(torch.linalg.vecdot(grams[0].flatten(2), grams[1].flatten(2)))
+        # one step: the Gram matrices are the factors' squared norms, and the norm is their product
+        sq.append((grams[0] * grams[1]).view(len(run), n) if t == 1 else
+                  torch.linalg.vecdot(grams[0].flatten(2), grams[1].flatten(2)))
         if t > 1:
             own.append(torch.linalg.vecdot(grams[0].diagonal(dim1=2, dim2=3), grams[1].diagonal(dim1=2, dim2=3)))
     norms = _cat(sq, 1)
@@ -556,9 +576,15 @@ def _pairwise_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vecdot(a.reshape(n, -1), b.reshape(n, -1))
 
 
-def inner_dense(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per-example inner products of two [n, ...] tensors, in float32 at least."""
-    return _pairwise_dot(_f32(a), _f32(b))
+def inner_dense(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-example inner products of two [n, ...] tensors, in float32 at least; written into ``out`` ([n], a
+    column of a larger tensor, say) if given."""
+    a, b = _f32(a), _f32(b)
+    if out is None or out.dtype != torch.promote_types(a.dtype, b.dtype):
+        dot = _pairwise_dot(a, b)
+        return dot if out is None else out.copy_(dot)
+    n = a.shape[0]
+    return torch.linalg.vecdot(a.reshape(n, -1), b.reshape(n, -1), out=out)
 
 
 def sq_norms(c: Capture) -> torch.Tensor:
@@ -652,12 +678,12 @@ def outer_runs(captures: list[Outer]) -> list[list[int]]:
     return sorted(runs)
 
 
-def outer_sums(run: list[Outer], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+def outer_sums(run: list[Outer], weights: list[torch.Tensor], sanitize: bool = True) -> list[torch.Tensor]:
     """``run[k].weighted_sum(weights[k])`` for every k, for a run of ``outer_runs``: its factors stacked (float32
-    at least), the smaller one rescaled, non-finite entries zeroed, and one batched product [K, rows, B*T] @
-    [K, B*T, cols] for all of them."""
+    at least), the smaller one rescaled, non-finite entries zeroed (with ``sanitize``), and one batched product
+    [K, rows, B*T] @ [K, B*T, cols] for all of them."""
     if len(run) == 1:
-        return [run[0].weighted_sum(weights[0])]
+        return [run[0].weighted_sum(weights[0], sanitize)]
     for c in run:
         c.check_unchanged()
     first = run[0]
@@ -665,8 +691,8 @@ def outer_sums(run: list[Outer], weights: list[torch.Tensor]) -> list[torch.Tens
     dtype = _wide(torch.promote_types(first.left.dtype, first.right.dtype))
     left = _stacked([c.left for c in run], dtype)
     right = _stacked([c.right for c in run], dtype)
-    (left if rows <= first.cols else right).mul_(_stacked(weights, dtype).view(len(run), b, 1, 1))
-    left, right = _zeroed(left, inplace=True), _zeroed(right, inplace=True)
+    (left if rows <= first.cols else right).mul_(_stacked_weights(weights, dtype).view(len(run), b, 1, 1))
+    left, right = _zeroed(left, True, sanitize), _zeroed(right, True, sanitize)
     total = torch.bmm(left.view(-1, b * t, rows).transpose(1, 2), right.view(-1, b * t, first.cols))
     return [s.view(c.shape) for c, s in zip(run, total)]
 

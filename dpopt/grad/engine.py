@@ -6,8 +6,8 @@ combination of per-example gradients. Algorithms build their statistic with ordi
 (DiSK: ``c * g(x + gamma d) + (1 - c) * g(x)``; SRG: ``g(x_t) - c * g(x_{t-1})``), and the clip stage
 asks it for per-example norms (cross terms included, without materialising) and for the clipped sum.
 
-Backward is run with ``torch.autograd.grad`` towards a zero "sink" scalar that is added to the outputs of
-the first layers, with the parameters passed as constants: autograd then computes activation gradients
+Backward is run with ``torch.autograd.grad`` towards the outputs of the first layers, made to require grad by
+adding a zero "sink" scalar, with the parameters passed as constants: autograd then computes activation gradients
 only and never the (batch-summed) weight gradients, which the clip stage forms itself from the same
 factors (book-keeping). Layer hooks see every supported layer's input and output gradient; modules
 without a rule are differentiated per example with ``torch.func`` (``fallback.py``), and so are the layers hooks
@@ -83,6 +83,7 @@ class PerExampleEngine:
                              f"only; use mode 'hooks' for {precision}")
         self.precision = precision
         self._draws: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see ``same_random_draws``
+        self._sink: torch.Tensor | None = None  # see ``_zero_sink``
         self.loss_scale = FP16_LOSS_SCALE  # fp16 only: fixed, never adjusted (docs/design.md)
         self._wrapper = _LossModule(model, loss_fn)
         self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -253,9 +254,17 @@ class PerExampleEngine:
             return Dense(c.materialize().to(c.dtype), c.shape)  # the norm and the sum read this one copy
         return c
 
+    def _zero_sink(self) -> torch.Tensor:
+        """The zero scalar the backward runs towards, on the parameters' device: made once and kept (autograd
+        only reads it), so that a step does not spend a kernel launch filling a new one."""
+        device = self.params[0].device
+        if self._sink is None or self._sink.device != device:
+            self._sink = torch.zeros((), device=device, requires_grad=True)
+        return self._sink
+
     def _hook_gradients(self, batch: Any, b: int, point: dict[str, torch.Tensor],
                         detached: list[torch.Tensor]) -> PerExampleGradients:
-        sink = torch.zeros((), device=self.params[0].device, requires_grad=True)
+        sink = self._zero_sink()
         recording = Recording(self, b, detached, 1.0 / self._scale, sink)
         try:
             with torch.enable_grad(), self.autocast():
@@ -265,7 +274,10 @@ class PerExampleEngine:
         if not recording.sink_used or not losses.requires_grad:
             raise ValueError("the loss does not depend on any trainable parameter through the model's layers "
                              "(or the batch holds tensors that require grad, which is not supported)")
-        torch.autograd.grad(losses.sum() * self._scale, [sink])
+        # the backward of the (scaled) sum of the losses (each loss's output gradient is the scale) as far as the
+        # first layers' outputs: the hooks have captured every layer's gradient by then
+        attached, recording.attached = recording.attached, []
+        torch.autograd.grad(losses, attached, grad_outputs=torch.full_like(losses, self._scale), allow_unused=True)
         return recording.gradients(losses.detach())
 
     def record(self, batch_size: int, mean: bool = True) -> "Recording":

@@ -1,11 +1,11 @@
 """The per-example statistic: ``PerExampleGradients``, a lazy linear combination of captured per-example
 gradients, with what the clip stage asks of it (per-example squared norms, weighted and clipped sums).
 
-In the clip stage (``clipped_sum``) nothing waits for the device but one read: the flags its norms raise (ghost
-norms that may have cancelled, combined parameters whose terms cancel) are read with the clip stage's own counts
-(``Weighing.read``), and only where the statistic has such flags; the rare example whose ghost norm cancelled is
-then recomputed exactly, at the cost of two more reads (which examples; their new weighing). Rows of weight 0
-(non-finite norms) are summed as zeros."""
+In the clip stage (``clipped_sum``) nothing waits for the device but one read, once the weights exist and before
+the sums: the clip stage's own counts (``Weighing.read``) with the flags its norms raise (ghost norms that may have
+cancelled, combined parameters whose terms cancel). The rare example whose ghost norm cancelled is then recomputed
+exactly, at the cost of two more reads (which examples; their new weighing). Rows of weight 0 (non-finite norms) are
+summed as zeros: where the read says every norm is finite, the sums skip that zeroing."""
 
 from __future__ import annotations
 
@@ -31,16 +31,18 @@ BENIGN = 16
 DIRECT_ROWS = 16
 
 
-def _weighted_rows(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """sum_i w_i g[i]: a non-finite row (given weight 0) contributes exactly zero, its entries zeroed on the
-    device (``_zeroed``), so no host synchronisation is needed to find it."""
-    return torch.tensordot(w.to(g.dtype), _zeroed(g), dims=1)
+def _weighted_rows(w: torch.Tensor, g: torch.Tensor, sanitize: bool = True) -> torch.Tensor:
+    """sum_i w_i g[i]: with ``sanitize`` a non-finite row (given weight 0) contributes exactly zero, its entries
+    zeroed on the device (``_zeroed``), so no host synchronisation is needed to find it."""
+    return torch.tensordot(w.to(g.dtype), _zeroed(g, sanitize=sanitize), dims=1)
 
 
 def _read(weigh: Weighing | Callable[[torch.Tensor], torch.Tensor], flags: list[torch.Tensor]) -> list[float]:
     """``flags`` read on the host: with the clip stage's counts (one synchronisation for both) where ``weigh`` is a
-    ``Weighing``."""
-    return weigh.read(flags) if isinstance(weigh, Weighing) else torch.cat(flags).tolist()
+    ``Weighing``, even without flags; else only where there are flags."""
+    if isinstance(weigh, Weighing):
+        return weigh.read(flags)
+    return torch.cat(flags).tolist() if flags else []
 
 
 class PerExampleGradients(PerExampleStatistic):
@@ -158,13 +160,15 @@ class PerExampleGradients(PerExampleStatistic):
                 combined[j] = torch.cat([inner_dense(g, g) for g in (self._flat(j, s) for s in self._chunks(j))])
         return of, combined
 
-    def _columns(self, of: dict[int, list[torch.Tensor]], combined: dict[int, torch.Tensor]) -> torch.Tensor:
-        """[B, P] from ``_capture_norms``' norms (zero for the parameters it skipped), and whether each combined
-        parameter is benign (a flag set on the device)."""
+    def _columns(self, of: dict[int, list[torch.Tensor]], combined: dict[int, torch.Tensor],
+                 zero: bool = True) -> torch.Tensor:
+        """[B, P] from ``_capture_norms``' norms (for the parameters it skipped: zero, or with ``zero=False`` unset, for
+        a caller that writes them), and whether each combined parameter is benign (a flag set on the device)."""
         cols = []
         for j, (p, ts) in enumerate(zip(self.engine.params, self.terms)):
             if j not in of:
-                cols.append(torch.zeros(self.batch_size, device=p.device, dtype=torch.float32))
+                fill = torch.zeros if zero else torch.empty
+                cols.append(fill(self.batch_size, device=p.device, dtype=torch.float32))
             elif self._combined(j):
                 sq = combined[j]
                 size = sum(abs(c) * n.sqrt() for (c, _), n in zip(ts, of[j])) ** 2
@@ -200,9 +204,13 @@ class PerExampleGradients(PerExampleStatistic):
         combinations) are materialised once, a chunk of examples at a time, when they are small enough to be
         held together for a chunk: the chunk's norms complete its rows, ``weigh`` turns them into its weights,
         and the same vectors are summed with them at once. Otherwise norms and sums are two chunked passes.
-        Where the norms raise flags, they are read with the clip stage's counts before the other parameters are
-        summed; if a ghost norm cancelled, its examples are recomputed (a second read: which ones), everything is
-        weighed again (read by the clip stage) and the combined parameters are summed from materialised vectors."""
+        A ``Weighing`` is read (its counts, with the flags the norms raise) once the weights exist, before the other
+        parameters are summed: where every example's norm is finite (the common case) no sum zeroes non-finite
+        entries; where one is not, the sums of the materialised parameters are formed again with the zeroing (a
+        rare second pass) and the others are formed with it. If a ghost norm cancelled, its examples are recomputed
+        (a second read: which ones), everything is weighed again (read by the clip stage) and the combined
+        parameters are summed from materialised vectors, zeroing non-finite entries. Another ``weigh`` (a plain
+        function) reads only the flags, where there are any, and every sum zeroes non-finite entries."""
         self._check_alive()
         self._settle()
         direct = [j for j in range(len(self.terms)) if self._materialized(j)]
@@ -210,25 +218,28 @@ class PerExampleGradients(PerExampleStatistic):
             direct = []
         pending: Pending = []
         norms = self._capture_norms(direct, pending)
-        weights, sums = self._weigh(weigh, self._columns(*norms), direct)
+        counted = isinstance(weigh, Weighing)  # its read tells whether every norm is finite
+        weights, sums = self._weigh(weigh, self._columns(*norms, zero=False), direct, sanitize=not counted)
         flagged = [j for j, f in self._benign.items() if isinstance(f, torch.Tensor)]
         flags = [torch.stack([self._benign[j] for j in flagged])] if flagged else []
-        if pending:
-            recompute, *benign = _read(weigh, [cancelled(pending), *flags])
-            if recompute:
-                resolve(pending)
-                if isinstance(weigh, Weighing):
-                    weigh.restart()
-                weights, sums = self._weigh(weigh, self._columns(*norms), direct)
-                benign = [False] * len(flagged)  # summed from materialised vectors: exact, and nothing to read
-        else:
-            benign = _read(weigh, flags) if flags else []
+        recompute, *benign = _read(weigh, [cancelled(pending), *flags]) if pending else [0, *_read(weigh, flags)]
+        sanitize = not counted
+        if recompute:
+            resolve(pending)
+            if counted:
+                weigh.restart()
+            weights, sums = self._weigh(weigh, self._columns(*norms, zero=False), direct, sanitize=True)
+            benign = [False] * len(flagged)  # summed from materialised vectors: exact, and nothing to read
+            sanitize = True
+        elif counted and weigh.finite < self.batch_size:  # a non-finite example, of weight 0: summed as zeros
+            sums = {j: self._materialized_sum(weights, j) for j in direct}
+            sanitize = True
         self._benign.update(zip(flagged, map(bool, benign)))
         unflat = {j: self._unflat(j) for j in direct}
         if release:
             for j in direct:
                 self.terms[j] = []
-        out = self._sums(weights, [j for j in range(len(self.terms)) if j not in sums], release, into)
+        out = self._sums(weights, [j for j in range(len(self.terms)) if j not in sums], release, into, sanitize)
         for j, total in sums.items():
             total = unflat[j](total)
             out[j] = total if into is None else into[j].add_(total)
@@ -236,11 +247,11 @@ class PerExampleGradients(PerExampleStatistic):
             self.released = True
         return out
 
-    def _weigh(self, weigh: Callable[[torch.Tensor], torch.Tensor], sq: torch.Tensor,
-               direct: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """The weights [B, P] from ``sq`` (its ``direct`` columns still zero), and the sums [numel] of the ``direct``
+    def _weigh(self, weigh: Callable[[torch.Tensor], torch.Tensor], sq: torch.Tensor, direct: list[int],
+               sanitize: bool = True) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The weights [B, P] from ``sq`` (its ``direct`` columns still unset), and the sums [numel] of the ``direct``
         parameters: their per-example vectors materialised a chunk of examples at a time, normed into ``sq`` and
-        summed with the chunk's weights at once."""
+        summed with the chunk's weights at once (non-finite entries zeroed with ``sanitize``)."""
         if not direct:
             return weigh(sq), {}
         per_example = sum(self.shapes[j].numel() for j in direct)
@@ -249,13 +260,22 @@ class PerExampleGradients(PerExampleStatistic):
         for s in chunks(self.batch_size, 2 * per_example, self.device, DIRECT_ROWS):
             grads = {j: self._flat(j, s) for j in direct}
             for j, g in grads.items():
-                sq[s, j] = inner_dense(g, g)
+                inner_dense(g, g, out=sq[s, j])
             w = weigh(sq[s])
             weights.append(w)
             for j, g in grads.items():
-                part = _weighted_rows(w[:, j], g)
+                part = _weighted_rows(w[:, j], g, sanitize)
                 sums[j] = sums[j].add_(part) if j in sums else part
         return _cat(weights), sums
+
+    def _materialized_sum(self, weights: torch.Tensor, j: int, sanitize: bool = True) -> torch.Tensor:
+        """sum_i w_ij g_ij [numel] of parameter ``j`` in ``_flat``'s order, from its per-example vectors materialised
+        a chunk of examples at a time (non-finite entries zeroed with ``sanitize``)."""
+        acc = None
+        for s in self._chunks(j):
+            part = _weighted_rows(weights[s, j], self._flat(j, s), sanitize)
+            acc = part if acc is None else acc.add_(part)
+        return acc
 
     def _chunks(self, j: int) -> list[slice]:
         return chunks(self.batch_size, 2 * self.shapes[j].numel(), self.device)
@@ -284,10 +304,11 @@ class PerExampleGradients(PerExampleStatistic):
         return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
     def _sums(self, weights: torch.Tensor, params: Iterable[int], release: bool,
-              into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+              into: list[torch.Tensor] | None = None, sanitize: bool = True) -> list[torch.Tensor]:
         """``weighted_sum`` for the parameters in ``params`` (last to first), added to ``into`` if given; the
-        others' entries are empty. Every row is summed (one of weight 0 as zeros): no host synchronisation, but to
-        read the flags of combined parameters that nothing has read yet (``weighted_sum`` after ``sq_norms``)."""
+        others' entries are empty. Every row is summed (with ``sanitize``, one of weight 0 as zeros; without, the
+        caller knows every row to be finite): no host synchronisation, but to read the flags of combined parameters
+        that nothing has read yet (``weighted_sum`` after ``sq_norms``)."""
         params = sorted(params, reverse=True)
         flagged = [j for j in params if isinstance(self._benign.get(j), torch.Tensor)]
         if flagged:
@@ -295,7 +316,8 @@ class PerExampleGradients(PerExampleStatistic):
         sums: list[torch.Tensor] = [torch.empty(0)] * len(self.terms)
         # the parameters held as one dense capture (biases, norm layers' weights): summed together, a few products
         dense = [j for j in params if len(self.terms[j]) == 1 and isinstance(self.terms[j][0][1], Dense)]
-        summed = dict(zip(dense, dense_sums([self.terms[j][0][1] for j in dense], [weights[:, j] for j in dense])))
+        summed = dict(zip(dense, dense_sums([self.terms[j][0][1] for j in dense], [weights[:, j] for j in dense],
+                                            sanitize)))
         # the Linear layers' terms summed by book-keeping: those of equal shapes together (``outer_sums``), each run
         # when its first parameter is reached, so that sums appear about as captures are dropped (a run's sums, at
         # most ``chunk_elements`` for its factors and sums together, ahead)
@@ -310,19 +332,15 @@ class PerExampleGradients(PerExampleStatistic):
             dtype = self._sum_dtype(j)
             acc = None
             if j in materialized:
-                unflat = self._unflat(j)
-                for s in self._chunks(j):
-                    part = _weighted_rows(weights[s, j], self._flat(j, s))
-                    acc = part if acc is None else acc.add_(part)
-                acc = unflat(acc)
+                acc = self._unflat(j)(self._materialized_sum(weights, j, sanitize))
             else:
                 for i, (c, t) in enumerate(ts):
                     if (j, i) in runs:
                         run = runs[(j, i)]
                         ready.update(zip(run, outer_sums([self.terms[a][b][1] for a, b in run],
-                                                         [weights[:, a] for a, _ in run])))
+                                                         [weights[:, a] for a, _ in run], sanitize)))
                     part = summed[j] if j in summed else ready.pop((j, i)) if (j, i) in ready else \
-                        t.weighted_sum(weights[:, j])
+                        t.weighted_sum(weights[:, j], sanitize)
                     part = part.to(dtype)
                     if c != 1.0:
                         part.mul_(c)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from dpopt.grad.captures import Capture, Dense, check_version
@@ -65,13 +66,16 @@ class Recording:
     output gradient; a fallback unit its inputs and output gradients, differentiated per example with
     ``torch.func`` in ``gradients``; every capture enters with ``coefficient`` (1 / the fp16 loss scale; times
     b for a mean loss). With a ``sink`` (the engine's own backward, parameters passed as constants), a zero
-    scalar is added to first-layer outputs so that they require grad; without one (a caller's backward) an
-    output that does not require grad is not recorded."""
+    scalar is added to first-layer outputs so that they require grad (``attached``: their gradient edges, which the
+    backward is taken towards, so that the sink's own gradient, a reduction per output, is never formed; edges
+    rather than the outputs, which a model may change in place); without one (a caller's backward) an output that
+    does not require grad is not recorded."""
 
     def __init__(self, engine: "PerExampleEngine", b: int, detached: list[torch.Tensor], coefficient: float,
                  sink: torch.Tensor | None) -> None:
         self.engine, self.b, self.detached, self.coefficient, self.sink = engine, b, detached, coefficient, sink
         self.sink_used = False
+        self.attached: list[GradientEdge] = []  # of the first-layer outputs plus the sink
         self.terms: list[list[tuple[float, Capture]]] = [[] for _ in engine.params]
         # torch.func units' calls: their detached inputs and their outputs' gradients (not the outputs: the autograd
         # graph holds the hooks, which hold this recording, a cycle the garbage collector cannot see through)
@@ -93,7 +97,9 @@ class Recording:
         if self.sink is None:
             return None
         self.sink_used = True
-        return t + self.sink.to(t.dtype)
+        out = t + self.sink.to(t.dtype)
+        self.attached.append(get_gradient_edge(out))
+        return out
 
     def _enter(self, module: nn.Module, args: tuple) -> None:
         self.inside += 1

@@ -21,8 +21,12 @@ Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor, set[str]], dict[str, Cap
 
 def _sum(t: torch.Tensor, dims: int | tuple[int, ...]) -> torch.Tensor:
     """``t`` summed over ``dims``, accumulated and kept in float32 for a low-precision ``t``: the norms and sums
-    of the result need no cast of it."""
-    return t.sum(dims, dtype=torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else None)
+    of the result need no cast of it. Over dimensions of size 1 in float32 or float64 it is a view of ``t`` (a
+    Linear layer's bias on one step per example: its output gradient), which launches nothing."""
+    low = t.dtype in (torch.float16, torch.bfloat16)
+    if not low and all(t.shape[d] == 1 for d in ((dims,) if isinstance(dims, int) else dims)):
+        return t.squeeze(dims)
+    return t.sum(dims, dtype=torch.float32 if low else None)
 
 
 def _linear(module: nn.Linear, x: torch.Tensor, g: torch.Tensor, wanted: set[str]) -> dict[str, Capture]:
