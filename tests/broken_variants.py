@@ -10,8 +10,9 @@ from dpopt.noise.gaussian import GaussianNoise
 from dpopt.privacy import PoissonSampling
 
 
-def no_clipping(self: Clipping, sq_norms: torch.Tensor, groups: list[int],
-                check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def no_clipping(self: Clipping, sq_norms: torch.Tensor, groups: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every weight 1: ``Clipping._weights`` is where both ``Clipping.weights`` and the clip stage's ``Weighing``
+    turn squared norms into weights."""
     return torch.ones_like(sq_norms), torch.isfinite(sq_norms.sum(1))
 
 
@@ -25,7 +26,7 @@ def _undercounting_sampler(self: PoissonSampler, dataset_size: int, rate: float,
 
 
 BROKEN = {
-    "clipping-off": (Clipping, "weights", no_clipping),
+    "clipping-off": (Clipping, "_weights", no_clipping),
     "noise-halved": (GaussianNoise, "std", property(lambda self: self.noise_multiplier * self.sensitivity / 2)),
     "wrong-sampling-rate": (PoissonSampler, "__init__", _undercounting_sampler),
 }

@@ -1,8 +1,14 @@
-"""Small models covering every layer rule, and a run whose first epoch is kept for resuming, shared by the tests."""
+"""Small models covering every layer rule, a run whose first epoch is kept for resuming, and child processes forked
+from a forkserver that has imported the library once, shared by the tests."""
 
+import contextlib
+import functools
+import multiprocessing
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -96,3 +102,28 @@ def train_keeping_epoch_one(config: TrainConfig, folder: Path, copy: Path) -> di
             shutil.copytree(folder, copy)
 
     return train(config, folder, progress=False, log=keep)
+
+
+# What a child's first run imports (a missing one is skipped): torch's compiler stack (its optimizers import it),
+# the digits data, the curves' plotting, the TensorBoard writer; imported once by the forkserver, not per child.
+FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "dpopt.run", "sklearn.datasets", "sklearn.model_selection",
+                      "matplotlib.figure", "matplotlib.backends.backend_agg", "torch.utils.tensorboard"]
+
+
+def forkserver() -> multiprocessing.context.BaseContext:
+    """Child processes forked from the forkserver, a fresh process that imports ``FORKSERVER_PRELOAD`` once and runs
+    no thread (fork is safe there, even on a GPU machine), instead of a spawned interpreter importing them again for
+    every child."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(FORKSERVER_PRELOAD)  # kept by the server the first call starts
+    return context
+
+
+@contextlib.contextmanager
+def forked_launches() -> Iterator[None]:
+    """Within it, ``dpopt.distributed.launch`` starts its processes from the forkserver (``forkserver``)."""
+    forkserver()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.multiprocessing, "spawn",
+                      functools.partial(torch.multiprocessing.start_processes, start_method="forkserver"))
+        yield

@@ -2,10 +2,10 @@
 checkpoints are never half-written and the ledger never loses or double-counts a step.
 
 The full experiment (20 kills over four algorithms, through the CLI) is ``dpopt reproduce crash_safety``;
-this is its small version: spawned runs of a tiny model, killed at random instants."""
+this is its small version: runs of a tiny model in child processes, killed at random instants."""
 
-import multiprocessing
 import random
+import shutil
 
 import pytest
 import torch
@@ -15,7 +15,7 @@ from dpopt.checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, save_
 from dpopt.run import TrainConfig, resume, train
 from dpopt.run import loop as train_module
 from dpopt.run.state import checkpoint_state
-from helpers import quiet
+from helpers import forkserver, quiet
 from experiments.crash_safety import after_kill, same_run, watch
 
 # RDP: cheap epsilons; disk-adam: optimizer and transform state both have to survive a crash. A secret
@@ -25,8 +25,9 @@ TINY = TrainConfig(algorithm="disk-adam", model="logreg", epochs=3, noise_multip
 
 
 def _train_on_one_thread(config: TrainConfig, folder) -> None:
-    """A spawned child's run (fork breaks autograd once CUDA's autograd threads exist, as under the suite on a GPU
-    machine): bitwise equality needs the reference's thread count."""
+    """A child's run, forked from the forkserver, never from the suite's process (fork breaks autograd once CUDA's
+    autograd threads exist, as under the suite on a GPU machine): bitwise equality needs the reference's thread
+    count."""
     torch.set_num_threads(1)
     train(config, folder, progress=False, log=quiet)
 
@@ -40,15 +41,26 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def test_sigkill_at_random_instants_then_resume_is_exact(tmp_path, one_thread):
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run (checkpointing after every step), on one thread: what every resumed run must equal,
+    whatever its checkpoint frequency."""
+    folder, before = tmp_path_factory.mktemp("crash") / "reference", torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        metrics = train(TrainConfig(**{**TINY.__dict__, "checkpoint_every": 1}), folder, progress=False, log=quiet)
+    finally:
+        torch.set_num_threads(before)
+    return folder, metrics
+
+
+def test_sigkill_at_random_instants_then_resume_is_exact(tmp_path, one_thread, reference):
     config = TrainConfig(**{**TINY.__dict__, "checkpoint_every": 1})
-    train(config, tmp_path / "reference", progress=False, log=quiet)
-    spawn = multiprocessing.get_context("spawn")
     rng = random.Random(0)
     cut_writes = 0
     for i in range(3):
         folder = tmp_path / f"killed{i}"
-        child = spawn.Process(target=_train_on_one_thread, args=(config, folder))
+        child = forkserver().Process(target=_train_on_one_thread, args=(config, folder))
         child.start()
         seen = watch(child, folder, kill_after_first=rng.uniform(0.0, 0.1))
         assert seen["killed"] and seen["returncode"] == -9
@@ -58,14 +70,14 @@ def test_sigkill_at_random_instants_then_resume_is_exact(tmp_path, one_thread):
         cut_writes += bool(left["temp_files_left"])
         resume(folder, progress=False, log=quiet)
         assert not list(folder.glob(f".{CHECKPOINT}.*.tmp"))  # a cut write's leftovers are cleaned up
-        same = same_run(folder, tmp_path / "reference")
+        same = same_run(folder, reference[0])
         assert same["parameters_bitwise_equal"] and same["epsilon_equal"] and same["ledger_equal"], same
         assert same["history_equal"] and same["final_consistent"] and same["ledger_steps_final"] == 33, same
 
 
-def test_mid_epoch_checkpoints_every_n_steps_and_exact_resume(tmp_path, monkeypatch, one_thread):
+def test_mid_epoch_checkpoints_every_n_steps_and_exact_resume(tmp_path, monkeypatch, one_thread, reference):
     config = TrainConfig(**{**TINY.__dict__, "checkpoint_every": 4})
-    full = train(config, tmp_path / "full", progress=False, log=quiet)
+    full_folder, full = reference  # checkpointing every step: how often a run checkpoints never changes it
 
     class Crash(Exception):
         pass
@@ -88,12 +100,12 @@ def test_mid_epoch_checkpoints_every_n_steps_and_exact_resume(tmp_path, monkeypa
     resumed = resume(tmp_path / "cut", progress=False, log=quiet)
     assert resumed["history"] == full["history"]  # the epoch's partial losses survived the crash
     assert resumed["epsilon"] == full["epsilon"] and resumed["ledger"] == full["ledger"]
-    a, b = load_checkpoint(tmp_path / "full"), load_checkpoint(tmp_path / "cut")
+    a, b = load_checkpoint(full_folder), load_checkpoint(tmp_path / "cut")
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
 
-def test_an_inconsistent_checkpoint_is_neither_written_nor_resumed(tmp_path):
-    train(TrainConfig(**{**TINY.__dict__, "epochs": 1}), tmp_path, progress=False, log=quiet)
+def test_an_inconsistent_checkpoint_is_neither_written_nor_resumed(tmp_path, reference):
+    shutil.copytree(reference[0], tmp_path, dirs_exist_ok=True)
     state = load_checkpoint(tmp_path)
     state["optimizer"]["steps"] += 1  # one step more than the ledger recorded
     save_checkpoint(tmp_path, state)

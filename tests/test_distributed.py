@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import mlp_loss, quiet
+from helpers import forked_launches, mlp_loss, quiet
 from torch import nn
 
 from dpopt.algorithms import SGD, Adam, DiSKAdam, Privatizer, Projection, build_algorithm
@@ -57,7 +57,8 @@ def _each_config(parallel: DataParallel, folder) -> None:
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ddp")
-    launch(2, _each_config, folder)
+    with forked_launches():
+        launch(2, _each_config, folder)
     return folder
 
 
