@@ -27,6 +27,8 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from dpopt.data.buckets import Padding
+
 CLIP_MODES = ("flat", "per-layer", "automatic")
 
 
@@ -127,38 +129,67 @@ class ClipStats:
     losses: tuple[float, int] | None = None  # sum and count of the finite per-example losses (for display)
 
 
-def loss_totals(losses: torch.Tensor) -> torch.Tensor:
+def loss_totals(losses: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
     """[sum, count] of the finite entries of ``losses`` in float64, on the device (an entry is finite where zeroing
-    the non-finite ones leaves it equal)."""
+    the non-finite ones leaves it equal); with ``real`` (a [B] 0/1 mask), of the real rows only (padding counts
+    nowhere)."""
     finite_values = losses.nan_to_num(0.0, 0.0, 0.0)
-    return torch.stack([finite_values, finite_values == losses]).sum(1, dtype=torch.float64)
+    counted = finite_values == losses
+    if real is not None:
+        finite_values, counted = finite_values * real, counted * real
+    return torch.stack([finite_values, counted]).sum(1, dtype=torch.float64)
 
 
 class Weighing:
     """The ``weigh`` of one clip call: clip weights from squared norms (``Clipping.weights``), with what the clip
     stage reports and checks kept on the device (per call: the lowest squared norm, the finite examples and those
     weighted below 1; once: the finite losses' sum and count) until ``read`` takes it, with the flags a statistic
-    adds, in one host synchronisation."""
+    adds, in one host synchronisation.
 
-    def __init__(self, clipping: Clipping, groups: list[int], losses: torch.Tensor | None = None) -> None:
-        self.clipping, self.groups = clipping, groups
-        # of each call, not read yet: the lowest squared norm, the finite examples and those weighted below 1 ([1] each)
+    ``real`` (a [B] 0/1 float mask on the device) marks a padded batch's examples: a padding row (0) gets weight 0
+    and counts nowhere (not in the counts, the losses or the clipped count), so that a batch padded to a fixed
+    size releases what the batch alone releases. The calls cover the batch's rows in order, from the first
+    (``PerExampleStatistic.clipped_sum``), which is how each call finds its rows of the mask."""
+
+    def __init__(self, clipping: Clipping, groups: list[int], losses: torch.Tensor | None = None,
+                 real: torch.Tensor | None = None) -> None:
+        self.clipping, self.groups, self.real = clipping, groups, real
+        # of each call, not read yet: the lowest squared norm, the finite examples and those weighted below 1, and
+        # with padding the finite rows ([1] each)
         self._calls: list[torch.Tensor] = []
-        self._losses = None if losses is None else loss_totals(losses)  # [sum, count], not read yet
-        self.lowest, self.finite, self.below = 0.0, 0, 0
+        self._width = 3 if real is None else 4
+        self._losses = None if losses is None else loss_totals(losses, real)  # [sum, count], not read yet
+        self._row = 0  # the first row of the next call
+        self.lowest, self.finite, self.below, self.finite_rows, self.rows = 0.0, 0, 0, 0, 0
         self.losses: tuple[float, int] | None = None
 
     def __call__(self, sq_norms: torch.Tensor) -> torch.Tensor:
         sq_norms = _nan_as_inf(sq_norms)
         w, finite = self.clipping._weights(sq_norms, self.groups)
+        n = sq_norms.shape[0]
+        if self.real is not None:
+            real = self.real[self._row:self._row + n]
+            w = w * real.unsqueeze(1)
+            self._calls.append(finite.sum().reshape(1))  # every row's, padding included: whether to sanitize
+            finite = finite * real
+        self._row += n
+        self.rows += n
         smallest = w[:, 0] if w.stride(1) == 0 else w.amin(1)  # one weight per example (flat) or per part
-        self._calls += [_lowest(sq_norms).reshape(1), finite.sum().reshape(1), (smallest < 1).sum().reshape(1)]
+        below = smallest < 1 if self.real is None else (smallest < 1) * real
+        self._calls += [_lowest(sq_norms).reshape(1), finite.sum().reshape(1), below.sum().reshape(1)]
         return w
+
+    @property
+    def every_row_finite(self) -> bool:
+        """Whether every row weighed and read so far has a finite norm (padding included): then no sum needs its
+        non-finite entries zeroed."""
+        return self.finite_rows == self.rows
 
     def restart(self) -> None:
         """Forget the calls so far, read or not (their squared norms are being recomputed)."""
         self._calls = []
-        self.lowest, self.finite, self.below = 0.0, 0, 0
+        self._row = 0
+        self.lowest, self.finite, self.below, self.finite_rows, self.rows = 0.0, 0, 0, 0, 0
 
     def read(self, flags: Sequence[torch.Tensor] = ()) -> list[float]:
         """What is not read yet and ``flags`` (1-d tensors, concatenated) in one host synchronisation (none if there
@@ -167,10 +198,11 @@ class Weighing:
         if not parts:
             return []
         values = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
-        calls = values[:len(self._calls)]
-        self.lowest = min([self.lowest, *calls[0::3]])
-        self.finite += int(sum(calls[1::3]))
-        self.below += int(sum(calls[2::3]))
+        calls, k = values[:len(self._calls)], self._width
+        self.lowest = min([self.lowest, *calls[k - 3::k]])
+        self.finite += int(sum(calls[k - 2::k]))
+        self.below += int(sum(calls[k - 1::k]))
+        self.finite_rows += int(sum(calls[0::k])) if self.real is not None else int(sum(calls[1::k]))
         rest = values[len(calls):]
         if self._losses is not None:
             (total, count), rest = rest[:2], rest[2:]
@@ -203,14 +235,20 @@ class PerExampleStatistic(Protocol):
 
 
 def clip_and_sum(grads: PerExampleStatistic, clipping: Clipping, release: bool = False,
-                 into: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], ClipStats]:
+                 into: list[torch.Tensor] | None = None,
+                 padding: Padding | None = None) -> tuple[list[torch.Tensor], ClipStats]:
     """The clipped sum sum_i clip(g_i) per parameter (``clipped_sum``, weights from ``Weighing``); ``release``
     lets the statistic free its per-example storage while summing (the private step's use). What the weighing kept
     on the device (and the statistic's per-example losses) is read once, by the statistic before it sums or here
-    after; a negative squared norm is refused before the sums are returned."""
-    weigh = Weighing(clipping, grads.groups, getattr(grads, "losses", None))
+    after; a negative squared norm is refused before the sums are returned. ``padding``: the batch's last rows are
+    padding (``dpopt.data.buckets``), of weight 0 and counted nowhere."""
+    examples, real = grads.batch_size, None
+    if padding is not None:
+        examples, real = padding.examples, padding.mask
+    weigh = Weighing(clipping, grads.groups, getattr(grads, "losses", None), real)
     sums = grads.clipped_sum(weigh, release, into)
     weigh.read()  # a host synchronisation unless the statistic read everything already
     _refuse_negative(weigh.lowest)
-    nonfinite = grads.batch_size - weigh.finite
-    return sums, ClipStats(grads.batch_size, nonfinite, weigh.below - nonfinite, weigh.losses)
+    nonfinite = examples - weigh.finite
+    return sums, ClipStats(examples, nonfinite, weigh.below - nonfinite, weigh.losses)
+

@@ -28,6 +28,7 @@ import torch
 
 from dpopt.names import renamed_attributes
 from dpopt.clipping import Clipping, ClipStats, PerExampleStatistic, clip_and_sum, loss_totals
+from dpopt.data.buckets import Padding, bucket_size, pad
 from dpopt.data.samplers import PoissonSampler, Sampler, distinct_examples, take
 from dpopt.device import to_device
 from dpopt.flat import flat_view, zeros
@@ -108,12 +109,13 @@ class Privatizer:
             sums, stats = self.clip(grads)
         return self.release(sums, step), stats
 
-    def clip(self, grads: PerExampleStatistic,
-             into: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], ClipStats]:
+    def clip(self, grads: PerExampleStatistic, into: list[torch.Tensor] | None = None,
+             padding: Padding | None = None) -> tuple[list[torch.Tensor], ClipStats]:
         """Stage 3 for one physical batch: sum_i clip(g_i), added to the running sums ``into`` if given. The
         statistic is used up (its storage is freed as it is summed). Releases nothing: a logical step adds up
-        the sums of its physical batches, then calls ``release`` once."""
-        return clip_and_sum(grads, self.clipping, release=True, into=into)
+        the sums of its physical batches, then calls ``release`` once. ``padding``: the batch's padding rows
+        (weight 0, counted nowhere)."""
+        return clip_and_sum(grads, self.clipping, release=True, into=into, padding=padding)
 
     def release(self, sums: list[torch.Tensor], step: int) -> list[torch.Tensor]:
         """Stage 4, once per logical step: (sums + noise) / normaliser, recorded in the ledger (in place). Sums
@@ -178,6 +180,8 @@ class PrivateStep:
         self._initial_lr: float | None = None
         self.verified = not verify
         self.physical_batch_size = physical_batch_size
+        # pad every physical batch to one of a few sizes (``dpopt.data.buckets``): static shapes for a captured step
+        self.static_shapes = False
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -246,17 +250,25 @@ class PrivateStep:
         physical batch, the clip stage's (which reads the losses too)."""
         sums, total = None, ClipStats(0, 0)
         for part in index.split(self.physical_batch_size or index.numel()) if index.numel() else ():
+            part, padding = self._padded(part)
             grads = self.statistic(to_device(take(data, part), self.device))
-            sums, stats = self.privatizer.clip(grads, into=sums)
+            sums, stats = self.privatizer.clip(grads, into=sums, padding=padding)
             losses = stats.losses
             if losses is None and grads.losses is not None:  # a clip stage that does not read them (no clipping)
-                loss_sum, loss_count = loss_totals(grads.losses).tolist()
+                loss_sum, loss_count = loss_totals(grads.losses, padding and padding.mask).tolist()
                 losses = (loss_sum, int(loss_count))
             if losses is not None and total.losses is not None:
                 losses = (total.losses[0] + losses[0], total.losses[1] + losses[1])
             total = ClipStats(total.examples + stats.examples, total.nonfinite + stats.nonfinite,
                               total.clipped + stats.clipped, losses or total.losses)
         return sums, total
+
+    def _padded(self, part: torch.Tensor) -> tuple[torch.Tensor, Padding | None]:
+        """A physical batch's indices, padded to its bucket with ``static_shapes`` (``dpopt.data.buckets``)."""
+        if not self.static_shapes:
+            return part, None
+        size = bucket_size(part.numel(), self.privatizer.sampler.normalizer, self.physical_batch_size)
+        return pad(part, size), Padding.of(part.numel(), size, self.device)
 
     def finish(self, sums: list[torch.Tensor] | None) -> None:
         """The end of a logical step: release its clipped sums (``None``: an empty batch, noise alone) once,

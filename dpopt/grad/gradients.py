@@ -231,7 +231,7 @@ class PerExampleGradients(PerExampleStatistic):
             weights, sums = self._weigh(weigh, self._columns(*norms, zero=False), direct, sanitize=True)
             benign = [False] * len(flagged)  # summed from materialised vectors: exact, and nothing to read
             sanitize = True
-        elif counted and weigh.finite < self.batch_size:  # a non-finite example, of weight 0: summed as zeros
+        elif counted and not weigh.every_row_finite:  # a non-finite row, of weight 0: summed as zeros
             sums = {j: self._materialized_sum(weights, j) for j in direct}
             sanitize = True
         self._benign.update(zip(flagged, map(bool, benign)))
