@@ -32,6 +32,12 @@ run gpt2-b16-s512-bf16 90 --workload gpt2 --batch 16 --seq 512 --precision bf16 
 run cnn-b256 60 --workload cnn --batch 256 --systems pytorch dpopt opacus-hooks opacus-ghost
 run cnn-b1024 60 --workload cnn --batch 1024 --systems pytorch dpopt opacus-hooks opacus-ghost
 run bert-b32-s64 60 --workload bert --batch 32 --systems pytorch dpopt opacus-hooks opacus-ghost
+# the captured step (--graph on): its CUDA tests first (a replay equals the eager step), then the same rows replayed
+[ "$(left)" -gt 60 ] && { timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_graphs.py -k cuda \
+  > "$OUT/graph_tests.log" 2>&1; echo "graph_tests rc=$? at ${SECONDS}s" >> "$OUT/done.txt"; }
+run cnn-b256-graph 60 --workload cnn --batch 256 --systems pytorch dpopt --graph on
+run cnn-b1024-graph 60 --workload cnn --batch 1024 --systems pytorch dpopt --graph on
+run bert-base-b32-s128-bf16-graph 90 --workload bert-base --batch 32 --seq 128 --precision bf16 --systems pytorch dpopt --graph on
 # the largest model per method (one process per size and method; a method that fails at one size stops there)
 if [ "$(left)" -gt 60 ]; then
   timeout "$(left)" python3 -m dpopt.cli reproduce large_models --device cuda \

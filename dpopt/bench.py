@@ -79,6 +79,7 @@ from torch.utils._pytree import tree_flatten
 from dpopt import model_shapes
 from dpopt.device import add_device_arguments, autocast, autocast_dtype, resolve_device, to_device
 from dpopt.extras import require
+from dpopt.grad.graphs import GRAPH_CHOICES
 from dpopt.names import did_you_mean
 
 SYSTEMS = ("pytorch", "inference", "dpopt", "dpopt-materialize", "opacus-hooks", "opacus-ghost", "dp-grape",
@@ -109,12 +110,14 @@ class Case:
     physical: int | None = None  # dpopt's physical batch size (None: the whole batch in one pass)
     device: str = "cpu"  # model, data and every step on it (dpopt.device.resolve_device)
     precision: str = "fp32"  # every system's forward autocast to it; dpopt's norms, sums and noise stay fp32
+    graph: str = "off"  # dpopt's systems: capture the clip stage as CUDA graphs (dpopt.grad.graphs)
 
     @property
     def label(self) -> str:
         seq = f" s{self.seq}" if self.workload in TEXT_WORKLOADS or is_language_model(self.workload) else ""
         physical = f" p{self.physical}" if self.physical else ""
         extra = "".join(f" {v}" for v, d in ((self.device, "cpu"), (self.precision, "fp32")) if v != d)
+        extra += f" graph {self.graph}" if self.graph != "off" else ""
         return f"{self.workload} b{self.batch}{seq}{physical} {self.optimizer}{extra}"
 
 
@@ -278,6 +281,7 @@ def _step_fn(system: str, case: Case, model: nn.Module, dataset: Any, loss: Call
                                   precision=case.precision)
         hp = CONFIGS[algorithm](lr=0.01, **({"rank": case.rank} if "rank" in settings_of(algorithm) else {}))
         opt = build_algorithm(algorithm, engine, privatizer, hp, case.physical)
+        opt.capture(case.graph)
         if not opt.verified:
             opt.verify(dataset)  # the one-time self-check, outside the timed step
         return lambda: opt.step(dataset)
@@ -531,6 +535,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--physical-batch-size", type=int, metavar="N",
                    help="dpopt systems: process the batch in chunks of N examples (one release per step)")
     add_device_arguments(p, precision="fp32")
+    p.add_argument("--graph", choices=GRAPH_CHOICES, default="off",
+                   help="dpopt's systems: capture the forward, backward and clip stage as CUDA graphs (on, auto, off)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS,
                    help=f"what to time (default: {' '.join(DEFAULT_SYSTEMS)}; Opacus's where it is installed)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
@@ -578,21 +584,24 @@ def _installed(systems: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    autocast_dtype(args.precision, resolve_device(args.device))  # bad input: one line, before anything is printed
+    device = resolve_device(args.device)
+    autocast_dtype(args.precision, device)  # bad input: one line, before anything is printed
+    if args.graph == "on" and device.type != "cuda":
+        raise ValueError("--graph on captures CUDA graphs: it needs --device cuda")
     if args.batch is not None and args.batch < 1:
         raise ValueError(f"--batch must be at least 1, got {args.batch}")
     if args.count_ops and (args.suite or args.scaling or args.out):
         raise ValueError("--count-ops counts one workload and prints its counts: not with --suite, --scaling or --out")
     if args.suite or args.scaling:
-        cases = [dataclasses.replace(c, threads=args.threads, device=args.device, precision=args.precision)
-                 for c in (SUITE if args.suite else SCALING)]
+        cases = [dataclasses.replace(c, threads=args.threads, device=args.device, precision=args.precision,
+                                     graph=args.graph) for c in (SUITE if args.suite else SCALING)]
     else:
         workload = args.workload or DEFAULT_WORKLOAD
         language_model = is_language_model(workload)
         batch = args.batch or (LM_BATCH if language_model else DEFAULT_BATCH[workload])
         seq = args.seq or (LM_SEQ if language_model else Case.seq)
         cases = [Case(workload, batch, seq, args.optimizer, args.rank, args.threads, args.physical_batch_size,
-                      args.device, args.precision)]
+                      args.device, args.precision, args.graph)]
     scaling = args.scaling and not args.suite
     systems = ("pytorch", "dpopt") if scaling else tuple(args.systems or _installed(DEFAULT_SYSTEMS))
     if any(s.startswith("opacus") for s in systems):

@@ -28,6 +28,7 @@ from dpopt.device import add_device_arguments
 from dpopt.distributed import DataParallel, from_environment, launch
 from dpopt.extras import MissingExtra
 from dpopt.grad.engine import MODES, STRATEGIES
+from dpopt.grad.graphs import GRAPH_CHOICES
 from dpopt.models import MODEL_TRAINABLE, MODELS, check_model
 from dpopt.noise.mechanisms import NOISES, TREE_DECODERS, WORKLOADS
 from dpopt.privacy import (AccountingError, CyclicPoissonSampling, FixedParticipation, GaussianRelease, PoissonSampling,
@@ -150,6 +151,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                         "N whose clipped sums are added before the noise; same release, memory set by N (default: "
                         "256, or the whole training set if smaller)")
     add_device_arguments(p, d.device, precision=d.precision)
+    p.add_argument("--graph", default=d.graph, choices=GRAPH_CHOICES,
+                   help="capture each batch shape's forward, backward and clip stage as a CUDA graph and replay it "
+                        "(batches padded to a few sizes with rows of weight 0; noise drawn outside the graph; each "
+                        "graph checked against the eager step first): on, auto (where it can work, else eager with "
+                        "a log line) or off (default)")
     p.add_argument("--clip", type=float, default=d.clip, help="per-example clip norm C")
     p.add_argument("--clipping", default=d.clipping, choices=CLIP_MODES)
     for f in all_fields().values():  # default None: the algorithm's own (hyperparameters_for)

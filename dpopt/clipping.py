@@ -160,6 +160,7 @@ class Weighing:
         self._width = 3 if real is None else 4
         self._losses = None if losses is None else loss_totals(losses, real)  # [sum, count], not read yet
         self._row = 0  # the first row of the next call
+        self._layout = (0, False)  # of the last ``status``: its calls, and whether it holds the losses
         self.lowest, self.finite, self.below, self.finite_rows, self.rows = 0.0, 0, 0, 0, 0
         self.losses: tuple[float, int] | None = None
 
@@ -194,20 +195,29 @@ class Weighing:
     def read(self, flags: Sequence[torch.Tensor] = ()) -> list[float]:
         """What is not read yet and ``flags`` (1-d tensors, concatenated) in one host synchronisation (none if there
         is nothing to read); returns the flags' values."""
+        status = self.status(flags)
+        return [] if status is None else self.take(status.tolist())
+
+    def status(self, flags: Sequence[torch.Tensor] = ()) -> torch.Tensor | None:
+        """What is not read yet and ``flags``, concatenated on the device (None if nothing): what ``read`` reads.
+        A captured step (``dpopt.grad.graphs``) forms it inside the capture and reads it after each replay; ``take``
+        then counts its values."""
         parts = [*self._calls, *([] if self._losses is None else [self._losses]), *flags]
-        if not parts:
-            return []
-        values = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
-        calls, k = values[:len(self._calls)], self._width
+        self._layout = (len(self._calls), self._losses is not None)
+        self._calls, self._losses = [], None
+        return None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def take(self, values: list[float]) -> list[float]:
+        """Count the values of the last ``status`` (read on the host); returns the flags' values."""
+        calls, has_losses = self._layout
+        calls, k, rest = values[:calls], self._width, values[calls:]
         self.lowest = min([self.lowest, *calls[k - 3::k]])
         self.finite += int(sum(calls[k - 2::k]))
         self.below += int(sum(calls[k - 1::k]))
         self.finite_rows += int(sum(calls[0::k])) if self.real is not None else int(sum(calls[1::k]))
-        rest = values[len(calls):]
-        if self._losses is not None:
+        if has_losses:
             (total, count), rest = rest[:2], rest[2:]
             self.losses = (total, int(count))
-        self._calls, self._losses = [], None
         return rest
 
 

@@ -33,6 +33,7 @@ from dpopt.data.samplers import PoissonSampler, Sampler, distinct_examples, take
 from dpopt.device import to_device
 from dpopt.flat import flat_view, zeros
 from dpopt.grad.engine import PerExampleEngine
+from dpopt.grad.graphs import GRAPH_CHOICES, CapturedClip, why_not_captured
 from dpopt.noise.correlated import CorrelatedNoise
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.privacy.ledger import PoissonSampling, PrivacyLedger
@@ -182,6 +183,7 @@ class PrivateStep:
         self.physical_batch_size = physical_batch_size
         # pad every physical batch to one of a few sizes (``dpopt.data.buckets``): static shapes for a captured step
         self.static_shapes = False
+        self.captured: CapturedClip | None = None  # see ``capture``
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -251,17 +253,53 @@ class PrivateStep:
         sums, total = None, ClipStats(0, 0)
         for part in index.split(self.physical_batch_size or index.numel()) if index.numel() else ():
             part, padding = self._padded(part)
-            grads = self.statistic(to_device(take(data, part), self.device))
-            sums, stats = self.privatizer.clip(grads, into=sums, padding=padding)
+            batch = to_device(take(data, part), self.device)
+            replayed = None if self.captured is None else self.captured.clip(batch, padding, sums)
+            if replayed is not None:
+                sums, stats = replayed
+            else:
+                grads = self.statistic(batch)
+                losses = grads.losses
+                sums, stats = self.privatizer.clip(grads, into=sums, padding=padding)
+                if stats.losses is None and losses is not None:  # a clip stage that does not read them (no clipping)
+                    loss_sum, loss_count = loss_totals(losses, padding and padding.mask).tolist()
+                    stats = ClipStats(stats.examples, stats.nonfinite, stats.clipped, (loss_sum, int(loss_count)))
             losses = stats.losses
-            if losses is None and grads.losses is not None:  # a clip stage that does not read them (no clipping)
-                loss_sum, loss_count = loss_totals(grads.losses, padding and padding.mask).tolist()
-                losses = (loss_sum, int(loss_count))
             if losses is not None and total.losses is not None:
                 losses = (total.losses[0] + losses[0], total.losses[1] + losses[1])
             total = ClipStats(total.examples + stats.examples, total.nonfinite + stats.nonfinite,
                               total.clipped + stats.clipped, losses or total.losses)
         return sums, total
+
+    def capture(self, choice: str, log: Callable[[str], None] = print,
+                replayed: Callable[[Callable[[], Any]], Any] | None = None) -> None:
+        """Capture the clip stage of each batch shape and replay it (``dpopt.grad.graphs``): ``on`` (refused where it
+        cannot work), ``auto`` (on CUDA where it can work, else eager: with one log line on CUDA saying why) or
+        ``off``. The batches are then padded to a few sizes (``static_shapes``). ``replayed``: how a function is
+        recorded (the tests' CPU stand-in ``graphs.Rerun``; by default CUDA graphs).
+
+        :raises ValueError: for an unknown choice, or ``on`` where capture cannot work (the reason named).
+        """
+        if choice not in GRAPH_CHOICES:
+            raise ValueError(f"unknown graph choice {choice!r}; choose one of {', '.join(GRAPH_CHOICES)}")
+        self.captured, self.static_shapes = None, False
+        if choice == "off":
+            return
+        reason = None if replayed is not None else why_not_captured(self.engine, self._statistic is not None,
+                                                                     self.privatizer.parallel is not None)
+        if reason is not None:
+            if choice == "on":
+                raise ValueError(f"graph 'on' cannot work here: {reason}; use 'auto' or 'off'")
+            if self.device.type == "cuda":
+                log(f"dpopt: the step runs eager: {reason}")
+            return
+        self.captured = CapturedClip(self.engine, self.privatizer.clipping, self._eager_clip, strict=choice == "on",
+                                     replayed=replayed, log=log)
+        self.static_shapes = True
+
+    def _eager_clip(self, batch: Any, padding: Padding | None) -> tuple[list[torch.Tensor], ClipStats]:
+        """The eager clip stage of one (padded) physical batch: what a replay is checked against."""
+        return self.privatizer.clip(self.statistic(batch), padding=padding)
 
     def _padded(self, part: torch.Tensor) -> tuple[torch.Tensor, Padding | None]:
         """A physical batch's indices, padded to its bucket with ``static_shapes`` (``dpopt.data.buckets``)."""

@@ -53,6 +53,7 @@ class PerExampleGradients(PerExampleStatistic):
         self.engine, self.batch_size, self.terms, self.losses = engine, batch_size, terms, losses
         self.shapes = engine.shapes
         self.released = False
+        self.recheck: torch.Tensor | None = None  # see ``clipped_sum(static=True)``
         self._settled = False  # one-hot captures merged (``_settle``)
         # combined parameters whose terms may be summed apart (``_columns``): a flag on the device until it is read
         # with the others
@@ -198,7 +199,7 @@ class PerExampleGradients(PerExampleStatistic):
         return sums
 
     def clipped_sum(self, weigh: Weighing | Callable[[torch.Tensor], torch.Tensor], release: bool = False,
-                    into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+                    into: list[torch.Tensor] | None = None, static: bool = False) -> list[torch.Tensor]:
         """sum_i w_i g_i per parameter with weights w = ``weigh``(squared norms) [n, P], computed for rows of
         examples (the clip stage). The parameters normed from materialised per-example vectors (convolutions,
         combinations) are materialised once, a chunk of examples at a time, when they are small enough to be
@@ -210,7 +211,13 @@ class PerExampleGradients(PerExampleStatistic):
         rare second pass) and the others are formed with it. If a ghost norm cancelled, its examples are recomputed
         (a second read: which ones), everything is weighed again (read by the clip stage) and the combined
         parameters are summed from materialised vectors, zeroing non-finite entries. Another ``weigh`` (a plain
-        function) reads only the flags, where there are any, and every sum zeroes non-finite entries."""
+        function) reads only the flags, where there are any, and every sum zeroes non-finite entries.
+
+        ``static``: nothing is read (a step that can be captured and replayed: ``dpopt.grad.graphs``). Every sum zeroes
+        non-finite entries, combined parameters are summed as if benign, and ``recheck`` is left on the device: [1],
+        above 0 where a ghost norm may have cancelled or a combined parameter is not benign (None: no such doubt). The
+        caller reads it with the weighing's counts and, where it is above 0, forms the sums again without ``static``:
+        those were wrong."""
         self._check_alive()
         self._settle()
         direct = [j for j in range(len(self.terms)) if self._materialized(j)]
@@ -218,11 +225,16 @@ class PerExampleGradients(PerExampleStatistic):
             direct = []
         pending: Pending = []
         norms = self._capture_norms(direct, pending)
-        counted = isinstance(weigh, Weighing)  # its read tells whether every norm is finite
+        counted = isinstance(weigh, Weighing) and not static  # its read tells whether every norm is finite
         weights, sums = self._weigh(weigh, self._columns(*norms, zero=False), direct, sanitize=not counted)
         flagged = [j for j, f in self._benign.items() if isinstance(f, torch.Tensor)]
         flags = [torch.stack([self._benign[j] for j in flagged])] if flagged else []
-        recompute, *benign = _read(weigh, [cancelled(pending), *flags]) if pending else [0, *_read(weigh, flags)]
+        if static:
+            doubts = ([cancelled(pending)] if pending else []) + [(~f).sum(dtype=torch.float64).reshape(1) for f in flags]
+            self.recheck = sum(doubts[1:], doubts[0]) if doubts else None
+            recompute, benign = 0, [True] * len(flagged)
+        else:
+            recompute, *benign = _read(weigh, [cancelled(pending), *flags]) if pending else [0, *_read(weigh, flags)]
         sanitize = not counted
         if recompute:
             resolve(pending)

@@ -96,6 +96,8 @@ def build_run(config: TrainConfig, log: Callable[[str], None] = print, parallel:
     optimizer = build_algorithm(config.algorithm, engine, privatizer, config.hyperparameters, physical)
     if sharded:
         optimizer = ShardedStep(optimizer, config.algorithm)
+    elif config.graph != "off":
+        optimizer.capture(config.graph, log)
     optimizer.schedule = config.schedule.for_run(total)
     return Run(config, data, model, optimizer, sampler, ledger, total, key)
 

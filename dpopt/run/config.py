@@ -13,6 +13,7 @@ from dpopt import plan
 from dpopt.algorithms import (CONFIGS, DEFAULT_TREE_DECODER, NON_PRIVATE, Hyperparameters, StepRule, hyperparameters_for,
                               settings_of)
 from dpopt.algorithms.base import check_physical_batch_size
+from dpopt.grad.graphs import GRAPH_CHOICES
 from dpopt.clipping import Clipping
 from dpopt.data.datasets import DATASETS, check_dataset, default_epochs, default_model
 from dpopt.data.samplers import SAMPLINGS
@@ -65,6 +66,7 @@ class TrainConfig:
     physical_batch_size: int | None = None  # examples per forward/backward; None: DEFAULT_PHYSICAL_BATCH (or all)
     device: str = "cpu"  # cpu, cuda, mps or auto (cuda, else mps, else cpu)
     precision: str = "fp32"  # fp32, bf16 or fp16 (CUDA): autocast forward/backward, float32 weights, sums, noise
+    graph: str = "off"  # capture the clip stage as CUDA graphs: off, auto (where it can work) or on (dpopt.grad.graphs)
     checkpoint_every: int = 0  # also checkpoint after every N-th step within an epoch (0: at epoch ends only)
     trainable: str | None = None  # regular expression: train only the parameters whose names it matches (None:
     # the model's default, MODEL_TRAINABLE, set at construction; every weight where it has none)
@@ -117,6 +119,11 @@ class TrainConfig:
             raise ValueError("--secure draws every secret number from OS entropy and takes no --secret-seed "
                              "(replayable noise); give one or the other")
         check_physical_batch_size(self.physical_batch_size)
+        if self.graph not in GRAPH_CHOICES:
+            raise ValueError(f"unknown graph choice {self.graph!r}; choose one of {', '.join(GRAPH_CHOICES)}")
+        if self.graph == "on" and self.device == "cpu":
+            raise ValueError("--graph on captures the step as a CUDA graph: it needs --device cuda; use --graph auto "
+                             "or off on a CPU")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0 steps (0: at the end of each epoch only), "
                              f"got {self.checkpoint_every}")
