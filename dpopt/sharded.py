@@ -200,12 +200,12 @@ class ShardedStep(PrivateStep):
         return StepResult(loss_sum / loss_count if loss_count else None, int(examples), int(nonfinite),
                           int(clipped))
 
-    def rounds(self) -> list[tuple[torch.Tensor, bool]]:
-        """This step's global batch (drawn by rank 0), as this rank's physical batches: its share in as many
-        physical batches as every rank runs, ceil(largest share / physical batch size), each at most the physical
-        batch size; where this rank has no example for a round, the batch's first example with ``real`` False (it
-        gets weight 0: the rank joins the collectives and adds nothing)."""
-        index = self.parallel.global_batch(self.privatizer.sampler, self.steps)
+    def rounds(self, step: int | None = None) -> list[tuple[torch.Tensor, bool]]:
+        """Step ``step``'s global batch (None: this step's; drawn by rank 0), as this rank's physical batches: its
+        share in as many physical batches as every rank runs, ceil(largest share / physical batch size), each at
+        most the physical batch size; where this rank has no example for a round, the batch's first example with
+        ``real`` False (it gets weight 0: the rank joins the collectives and adds nothing)."""
+        index = self.parallel.global_batch(self.privatizer.sampler, self.steps if step is None else step)
         mine = torch.tensor_split(index, self.parallel.world_size)[self.parallel.rank]
         largest = math.ceil(index.numel() / self.parallel.world_size)
         rounds = math.ceil(largest / (self.physical_batch_size or max(largest, 1)))
@@ -247,12 +247,19 @@ class ShardedStep(PrivateStep):
     def end(self) -> None:
         """The end of a step, once every rank has accumulated its rounds: release the sharded clipped sum (noise,
         ledger), post-process it (the transforms), then update."""
-        sums, self._sums = self._sums, None
+        self.apply(self.released())
+
+    def released(self, sums: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Stages 4-5 on this rank's shards (``PrivateStep.released``, sharded): the step's clipped sum (``sums``,
+        sharded as the parameters, or else what ``accumulate`` added up; neither: an empty batch, noise alone)
+        released once (the noise of the owned coordinates, the ledger), then post-processed by the transforms."""
+        if sums is None:
+            sums, self._sums = self._sums, None
         grads = [torch.zeros_like(p) for p in self.params] if sums is None else sums
         self._release(grads)
         for t in self.transforms:
             grads = t(grads)
-        self.apply(grads)
+        return grads
 
     def state_dict(self) -> dict[str, Any]:
         """``PrivateStep.state_dict`` with the optimizer's and the transforms' sharded state gathered on rank 0 (a
@@ -262,9 +269,11 @@ class ShardedStep(PrivateStep):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a ``state_dict`` (gathered, or an unsharded run's): each optimizer state tensor of its
-        parameter's shape, and each per-parameter list of a transform's state, is sharded as the parameter is."""
+        parameter's shape, and each per-parameter list of a transform's state, is sharded as the parameter is. The
+        optimizer's state is numbered by its parameter groups, in their order (the Trainer's: decayed, then not)."""
         base = state["base"]
-        per_param = {i: {k: _like(v, self.params[i]) for k, v in s.items()} for i, s in base["state"].items()}
+        numbered = [p for group in self.base.param_groups for p in group["params"]]
+        per_param = {i: {k: _like(v, numbered[i]) for k, v in s.items()} for i, s in base["state"].items()}
         transforms = [{k: self._per_parameter(v) for k, v in s.items()} for s in state["transforms"]]
         super().load_state_dict({**state, "base": {**base, "state": per_param}, "transforms": transforms})
 

@@ -105,9 +105,11 @@ def train_keeping_epoch_one(config: TrainConfig, folder: Path, copy: Path) -> di
 
 
 # What a child's first run imports (a missing one is skipped): torch's compiler stack (its optimizers import it),
-# the digits data, the curves' plotting, the TensorBoard writer; imported once by the forkserver, not per child.
-FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "dpopt.run", "sklearn.datasets", "sklearn.model_selection",
-                      "matplotlib.figure", "matplotlib.backends.backend_agg", "torch.utils.tensorboard"]
+# the accounting (dpopt imports it on first use), the digits data, the curves' plotting, the TensorBoard writer, the
+# Hugging Face Trainer (dpopt.hf); imported once by the forkserver, not per child.
+FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "dpopt.run", "dp_accounting", "sklearn.datasets",
+                      "sklearn.model_selection", "matplotlib.figure", "matplotlib.backends.backend_agg",
+                      "torch.utils.tensorboard", "dpopt.hf"]
 
 
 def forkserver() -> multiprocessing.context.BaseContext:

@@ -140,35 +140,42 @@ def test_bad_use_is_refused(tmp_path):
                        privacy=privacy).train(resume_from_checkpoint=True)
 
 
-def test_a_sharded_model_or_several_processes_are_refused_in_one_line(tmp_path, monkeypatch):
-    """A sharded model (here over a 1-process gloo group: the Trainer sees one process, as it does in the ranks of
-    dpopt's launcher) is refused before the Trainer sees it: fully_shard at its root or at an inner module, a DTensor
-    parameter, FSDP1; a Trainer that sees several processes (torchrun) is refused too. Both name what to use
-    instead."""
+def test_a_model_sharded_otherwise_than_by_fully_shard_or_several_processes_are_refused_in_one_line(tmp_path,
+                                                                                                   monkeypatch):
+    """An unsharded model on a Trainer that sees several processes (torchrun) is refused, naming data parallelism's
+    and sharding's routes; so is, before the Trainer sees it, a model sharded otherwise than by fully_shard at its
+    root and over every trainable parameter (here over a 1-process gloo group): fully_shard at an inner module only,
+    a DTensor parameter without FSDP2 (tensor parallelism), a trainable parameter left unsharded, FSDP1.
+    tests/test_hf_sharded.py trains a model sharded by fully_shard."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    instead = r"make_private\(\.\.\., parallel=DataParallel\(\)\) or dpopt train --shard"
+    shard_with = r"shard it on every rank with torch.distributed.fsdp.fully_shard"
     data, privacy = as_list(examples()), PrivacyArguments(noise_multiplier=1.0, batch_size=8)
     with monkeypatch.context() as patch:
         patch.setattr(TrainingArguments, "world_size", property(lambda self: 2))
-        with pytest.raises(ValueError, match=f"runs on one process .*dpopt train --nproc.*; .*{instead}"):
+        with pytest.raises(ValueError, match=f"unsharded model on one process, not 2 .*dpopt train --nproc N.*"
+                                             f"{shard_with}"):
             PrivateTrainer(tiny_bert(), arguments(tmp_path), train_dataset=data, privacy=privacy)
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
-        whole, inner, tensor_parallel = tiny_bert(), tiny_bert(), tiny_bert()
-        fully_shard(whole, mesh=mesh)
+        inner, tensor_parallel, unsharded_head = tiny_bert(), tiny_bert(), tiny_bert()
         fully_shard(inner.bert.encoder, mesh=mesh)
         head = tensor_parallel.classifier
         head.weight = torch.nn.Parameter(distribute_tensor(head.weight.detach(), mesh, [Shard(0)]))
+        fully_shard(unsharded_head, mesh=mesh)
+        unsharded_head.classifier.bias = torch.nn.Parameter(torch.zeros(2))
         fsdp1 = FullyShardedDataParallel(tiny_bert(), device_id=torch.device("cpu"))
-        for model in (whole, inner, tensor_parallel, fsdp1):
-            with pytest.raises(ValueError, match=f"unsharded model in one process; .*{instead}") as refused:
+        for model, says in ((inner, "whose root is sharded by fully_shard too"),
+                            (tensor_parallel, "whose root is sharded by fully_shard too"),
+                            (unsharded_head, "trainable parameter classifier.bias is not sharded on dim 0"),
+                            (fsdp1, r"FSDP1 \(FullyShardedDataParallel\)")):
+            with pytest.raises(ValueError, match=f"{says}.*; {shard_with}") as refused:
                 PrivateTrainer(model, arguments(tmp_path), train_dataset=data, privacy=privacy)
             assert "\n" not in str(refused.value)
-        with pytest.raises(ValueError, match=instead):
+        with pytest.raises(ValueError, match=shard_with):
             PrivateTrainer(model=inner, args=arguments(tmp_path), train_dataset=data, privacy=privacy)
     finally:
         torch.distributed.destroy_process_group()
