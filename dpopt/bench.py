@@ -465,7 +465,8 @@ def count_ops(system: str, case: Case) -> dict[str, Any]:
     except Exception as e:  # as ``measure``: one system's failure is a row of the table
         return {"error": f"{type(e).__name__}: {e}"}
     return {"aten_ops": count.aten_ops, "launching_ops": count.launching_ops, "host_syncs": count.host_syncs,
-            "syncs": dict(count.syncs), "most_launched": dict(count.launching.most_common(10))}
+            "fp32_copies": count.fp32_copies, "syncs": dict(count.syncs),
+            "most_launched": dict(count.launching.most_common(10))}
 
 
 def count_all(case: Case, systems: tuple[str, ...]) -> dict[str, dict[str, Any]]:
@@ -479,14 +480,15 @@ def count_all(case: Case, systems: tuple[str, ...]) -> dict[str, dict[str, Any]]
 
 
 def count_markdown(label: str, results: dict[str, dict[str, Any]]) -> str:
-    lines = ["| workload | system | aten ops | launching ops | launches / PyTorch | host syncs |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| workload | system | aten ops | launching ops | launches / PyTorch | host syncs | fp32 copies of 16-bit "
+             "tensors |", "|---|---|---|---|---|---|---|"]
     for system, r in results.items():
         if "error" in r:
-            lines.append(f"| {label} | {system} | error: {r['error'][:80]} | | | |")
+            lines.append(f"| {label} | {system} | error: {r['error'][:80]} | | | | |")
             continue
         ratio = f"{r['launch_ratio']:.2f}" if "launch_ratio" in r else "—"
-        lines.append(f"| {label} | {system} | {r['aten_ops']} | {r['launching_ops']} | {ratio} | {r['host_syncs']} |")
+        lines.append(f"| {label} | {system} | {r['aten_ops']} | {r['launching_ops']} | {ratio} | {r['host_syncs']} "
+                     f"| {r['fp32_copies']} |")
     return "\n".join(lines)
 
 

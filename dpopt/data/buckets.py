@@ -53,7 +53,8 @@ class Padding:
     def of(cls, examples: int, rows: int, device: torch.device | str = "cpu") -> "Padding":
         """The padding of a batch of ``rows`` rows whose first ``examples`` are real."""
         mask = torch.ones(rows, device=device)
-        mask[examples:] = 0.0
+        if examples < rows:
+            mask[examples:] = 0.0
         return cls(examples, mask)
 
 
@@ -68,4 +69,4 @@ def pad(index: torch.Tensor, size: int) -> torch.Tensor:
     n = index.numel()
     if not 1 <= n <= size:
         raise ValueError(f"cannot pad a batch of {n} examples to {size} rows")
-    return torch.cat([index, index[:1].expand(size - n)])
+    return index if size == n else torch.cat([index, index[:1].expand(size - n)])

@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from dpopt.clipping import Clipping, ClipStats, Weighing, _refuse_negative
 from dpopt.data.buckets import Padding
 from dpopt.device import rng_state, set_rng_state
+from dpopt.flat import zeros
 from dpopt.grad.engine import PerExampleEngine
 
 GRAPH_CHOICES = ("off", "auto", "on")
@@ -196,8 +197,9 @@ class CapturedClip:
             set_rng_state(after, device)
             if difference is not None:
                 return self._give_up(f"the replayed step differs from the eager step ({difference})")
-        if into is None:
-            into = [torch.zeros_like(s) for s in sums]
+        if into is None:  # the running sums: one flat buffer (one launch, and the release's one draw: ``dpopt.flat``)
+            into = zeros([s.shape for s in sums], sums[0].dtype, sums[0].device) \
+                if len({s.dtype for s in sums}) == 1 else [torch.zeros_like(s) for s in sums]
         torch._foreach_add_(into, sums)
         return into, stats
 
