@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from dpopt.algorithms import Privatizer, build_algorithm
+from dpopt.algorithms import NON_PRIVATE, Privatizer, build_algorithm
 from dpopt import hyperparameters_for
 from dpopt.clipping import CLIP_MODES, Clipping, clip_and_sum
 from dpopt.data.buckets import Padding, bucket_size, granularity, pad
@@ -65,10 +65,11 @@ def test_padding_rows_count_nowhere(mode, strategy, first):
 
 
 @pytest.mark.parametrize("physical", [None, 12])
-@pytest.mark.parametrize("recipe", ["dp-sgd", "disk-adam", "dpzero"])
+@pytest.mark.parametrize("recipe", ["dp-sgd", "disk-adam", "dpzero", "mezo"])
 def test_a_padded_run_is_the_unpadded_run(recipe, physical):
     """Poisson batches of 32 expected examples (padded to multiples of 8; in physical batches of 12, the last one
-    to a multiple of 4): the same losses, counts and parameters, step after step, noise included."""
+    to a multiple of 4): the same losses, counts and parameters, step after step, noise included (mezo: the
+    non-private clip stage)."""
     tokens, images, y = zoo_data()
     n = 96
     data = (tokens.repeat(12, 1), images.repeat(12, 1, 1, 1) + torch.randn(n, 1, 1, 1, dtype=torch.float64), y.repeat(12))
@@ -76,7 +77,8 @@ def test_a_padded_run_is_the_unpadded_run(recipe, physical):
     for static in (False, True):
         torch.manual_seed(1)
         engine = PerExampleEngine(Zoo().double(), zoo_loss)
-        privatizer = Privatizer(Clipping(0.1), GaussianNoise(1.0, 0.1, SecretStream(1, "noise")),
+        noise = 0.0 if recipe in NON_PRIVATE else 1.0  # a non-private baseline: its own clip stage, no noise
+        privatizer = Privatizer(Clipping(0.1), GaussianNoise(noise, 0.1, SecretStream(1, "noise")),
                                 PoissonSampler.with_batch_size(n, 32, SecretStream(2, "sampling")), PrivacyLedger())
         step = build_algorithm(recipe, engine, privatizer, hyperparameters_for(recipe, lr=0.05), physical)
         step.static_shapes = static

@@ -21,6 +21,7 @@ from dpopt.algorithms.base import PrivateStep, Privatizer
 from dpopt.algorithms.hyperparameters import ZerothOrder
 from dpopt.algorithms.registry import register
 from dpopt.clipping import ClipStats, PerExampleStatistic
+from dpopt.data.buckets import Padding
 from dpopt.grad.engine import PerExampleEngine
 from dpopt.grad.zeroth_order import Direction, DirectionalGradients, PerExampleScalars, finite_differences
 from dpopt.privacy.ledger import GaussianRelease
@@ -57,12 +58,16 @@ class NonPrivate(Privatizer):
             raise ValueError("a non-private baseline adds no noise: build it with noise multiplier 0 "
                              f"(got {self.noise.noise_multiplier}), and do not give it a privacy target")
 
-    def clip(self, grads: PerExampleStatistic,
-             into: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], ClipStats]:
-        finite = torch.isfinite(grads.sq_norms().sum(1))
-        sums = grads.weighted_sum(finite.to(torch.float64))
+    def clip(self, grads: PerExampleStatistic, into: list[torch.Tensor] | None = None,
+             padding: Padding | None = None) -> tuple[list[torch.Tensor], ClipStats]:
+        """The plain sum of the examples of finite norm (no clipping); ``padding`` rows weigh 0 and count nowhere."""
+        kept = torch.isfinite(grads.sq_norms().sum(1))
+        examples = grads.batch_size
+        if padding is not None:
+            kept, examples = kept & padding.mask.bool(), padding.examples
+        sums = grads.weighted_sum(kept.to(torch.float64))
         sums = sums if into is None else [a.add_(b) for a, b in zip(into, sums)]
-        return sums, ClipStats(grads.batch_size, int((~finite).sum()))
+        return sums, ClipStats(examples, examples - int(kept.sum()))
 
     def release(self, sums: list[torch.Tensor], step: int) -> list[torch.Tensor]:
         self.ledger.record(GaussianRelease(0.0, self.sampler.participation))
