@@ -1,8 +1,17 @@
 import dataclasses
 import warnings
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+
+CURVES_MARK = "curves"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{CURVES_MARK}: the test's runs draw curves.png with matplotlib (the others "
+                                       "check the history the plot reads and draw nothing: half a second of CPU a run)")
 
 
 @pytest.fixture(autouse=True)
@@ -11,6 +20,22 @@ def _deterministic():
     with warnings.catch_warnings():
         warnings.simplefilter("default")
         yield
+
+
+def history_plotted(history: list[dict[str, Any]], path: Path) -> Path:
+    """``dpopt.report.plot_curves`` without the drawing: each evaluation holds the numbers the plot reads."""
+    for evaluation in history:
+        for key in ("step", "epsilon", "train_loss", "test_accuracy"):
+            float(evaluation[key])
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _curves_only_where_checked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process runs skip drawing ``curves.png`` unless the test is marked ``curves`` (runs in child processes,
+    the console script's among them, still draw it)."""
+    if request.node.get_closest_marker(CURVES_MARK) is None:
+        monkeypatch.setattr("dpopt.run.loop.plot_curves", history_plotted)
 
 
 @pytest.fixture

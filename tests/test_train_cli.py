@@ -208,6 +208,7 @@ def test_secret_seed_replays_the_noise_and_seed_is_only_public(tmp_path):
         1437, 128, SecretStream(3, "sampling")).batch(t)) for t in range(3))
 
 
+@pytest.mark.curves
 def test_the_secret_key_and_seed_are_only_in_the_checkpoint_and_the_export_holds_only_tensors(tmp_path, capsys):
     """Every file of a run folder but the (private) checkpoint is free of the key and of the secret seed;
     OUT/model/model.pt is the model's state_dict and nothing else."""
@@ -421,6 +422,7 @@ class RecordingWriter:
         self.closed = True
 
 
+@pytest.mark.curves
 def test_the_run_folder_has_metrics_from_the_first_evaluation_a_log_curves_and_tensorboard_events(tmp_path,
                                                                                                   monkeypatch):
     writer = RecordingWriter()
@@ -484,6 +486,7 @@ def test_tensorboard_events_read_back_match_metrics_json_and_a_resumed_run_logs_
                                                                                rel=1e-6)
 
 
+@pytest.mark.curves
 def test_without_matplotlib_or_tensorboard_the_run_says_so(tmp_path, monkeypatch):
     monkeypatch.setattr(report.importlib.util, "find_spec", lambda name: None)
     lines: list[str] = []

@@ -115,8 +115,11 @@ def test_how_the_target_is_given_never_changes_the_mechanism():
     assert privatizers[1].noise.noise_multiplier == 1.0
 
 
-def test_no_library_module_loads_the_clis_training_loop():
-    """The audit and federated runs take the plan, the task and the export from the library, not from dpopt.run."""
+def test_no_library_module_loads_the_clis_training_loop_nor_the_accounting_before_epsilon():
+    """The audit and federated runs take the plan, the task and the export from the library, not from dpopt.run;
+    dp-accounting (seconds to import) loads when epsilon is first asked for, not with ``import dpopt`` or the CLI."""
     probe = ("import sys, dpopt, dpopt.audit, dpopt.federated.simulator, dpopt.federated.cli; "
-             "print(sorted(m for m in sys.modules if m.startswith('dpopt.run')))")
-    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout == "[]\n"
+             "print(sorted(m for m in sys.modules if m.startswith('dpopt.run'))); "
+             "import dpopt.cli; print('dp_accounting' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out == "[]\nFalse\n"

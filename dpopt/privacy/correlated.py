@@ -22,12 +22,13 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
-import dp_accounting as dpa
-from dp_accounting.pld import privacy_loss_distribution as pld_lib
-
+from dpopt.lazy import LazyModule
 from dpopt.privacy.ledger import (AccountingError, CyclicPoissonSampling, FixedOrderParticipation, FixedParticipation,
                                   GaussianRelease, Participation, PoissonSampling, Relation, Release, _relation,
                                   participation_from_dict, participation_to_dict, register_release)
+
+dpa = LazyModule("dp_accounting")  # imported when epsilon is first asked for
+pld_lib = LazyModule("dp_accounting.pld.privacy_loss_distribution")
 
 
 def amplified(participation: Participation, horizon: int, period: int, bands: int | None) -> bool:

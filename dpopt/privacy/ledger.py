@@ -25,10 +25,13 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any, ClassVar, Iterator, Union
 
-import dp_accounting as dpa
 import numpy as np
-from dp_accounting import rdp
-from dp_accounting.pld import privacy_loss_distribution as pld_lib
+
+from dpopt.lazy import LazyModule
+
+dpa = LazyModule("dp_accounting")  # imported when epsilon is first asked for
+rdp = LazyModule("dp_accounting.rdp")
+pld_lib = LazyModule("dp_accounting.pld.privacy_loss_distribution")
 
 
 class Relation(str, enum.Enum):
@@ -291,7 +294,9 @@ INTEGER_ORDERS = (2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 16.0, 20.0, 24.0, 32
 
 
 def _rdp_epsilon(events: list[dpa.DpEvent], delta: float, relation: Relation,
-                 orders: tuple[float, ...] = tuple(rdp.rdp_privacy_accountant.DEFAULT_RDP_ORDERS)) -> float:
+                 orders: tuple[float, ...] | None = None) -> float:
+    """``orders`` None: dp-accounting's default orders."""
+    orders = tuple(rdp.rdp_privacy_accountant.DEFAULT_RDP_ORDERS) if orders is None else orders
     with _quiet_absl():
         curve = sum(_rdp_of(e, relation, orders) for e in events)
         return float(rdp.rdp_privacy_accountant.compute_epsilon(orders, curve, delta)[0])
