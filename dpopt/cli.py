@@ -423,7 +423,10 @@ def _resume_differences(args: argparse.Namespace, given: set[str], saved: TrainC
 def _train(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     config = epochs = state = None
-    if args.resume:
+    follower = int(os.environ.get("RANK", "0")) > 0  # under torchrun: rank 0 reads the checkpoint and sends it
+    if args.resume and follower:
+        epochs = args.epochs if "epochs" in _given(args.argv) else None
+    elif args.resume:
         state = load_checkpoint(args.resume)
         saved = TrainConfig.from_dict(state["config"])
         given = _given(args.argv)
@@ -451,7 +454,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.nproc > 1 and launched > 1:
         raise ValueError(f"--nproc {args.nproc} under a launcher that already started {launched} processes "
                          "(WORLD_SIZE is set); drop --nproc")
-    if args.shard:
+    if args.shard and not (follower and args.resume):  # rank 0 checks a resumed run for every rank
         _check_shard(TrainConfig.from_dict(state["config"]) if config is None else config, max(args.nproc, launched))
     if args.nproc > 1:
         del state  # each launched process reads the checkpoint itself; not one copy held here throughout

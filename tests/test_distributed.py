@@ -191,3 +191,27 @@ def test_bad_parallel_input(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["train", "--nproc", "2", "--epochs", "1"])
     assert "drop --nproc" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_under_torchrun_only_rank_0_reads_the_checkpoint_to_resume(monkeypatch, tmp_path, capsys, rank):
+    """Resuming on several machines needs the run folder on rank 0's alone: the other ranks read nothing themselves
+    (``resume`` hands them rank 0's checkpoint), so a rank whose machine has no copy starts; rank 0 without one is
+    refused in one line."""
+    from dpopt import cli
+
+    started = []
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(cli, "from_environment", lambda: None)
+    monkeypatch.setattr(cli, "_run_training", lambda *a: started.append(a))
+    argv = ["train", "--resume", str(tmp_path / "elsewhere"), "--shard", "--epochs", "4"]
+    if rank == 0:
+        with pytest.raises(SystemExit) as exit:
+            main(argv)
+        assert exit.value.code == 2 and "no checkpoint to resume from" in capsys.readouterr().err
+        assert not started
+    else:
+        assert main(argv) == 0
+        (parallel, config, out, resume_from, _, epochs, state, shard), = started
+        assert (config, resume_from, epochs, state, shard) == (None, str(tmp_path / "elsewhere"), 4, None, True)

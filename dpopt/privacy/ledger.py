@@ -249,12 +249,25 @@ def _quiet_absl() -> Iterator[None]:
 
 def epsilon_of(releases: list[Release], delta: float, accountant: str = "pld",
                relation: Relation | str = Relation.ADD_REMOVE, interval: float = FINE) -> float:
-    """Epsilon at ``delta`` of the adaptive composition of ``releases``."""
+    """Epsilon at ``delta`` of the adaptive composition of ``releases``. A pure function of its arguments (the
+    releases are frozen dataclasses): the last distinct calls are kept, since runs and calibrations ask it again of
+    the same ledger."""
     if not 0.0 < delta < 1.0:
         raise ValueError(f"delta must lie in (0, 1), got {delta}")
     if accountant not in ACCOUNTANTS:
         raise ValueError(f"unknown accountant {accountant!r}; choose one of {', '.join(ACCOUNTANTS)}")
-    relation = Relation(relation)
+    key = (tuple(releases), delta, accountant, Relation(relation), interval)
+    try:
+        hash(key)
+    except TypeError:  # a release type registered from outside that is not hashable: computed every time
+        return _epsilon.__wrapped__(*key)
+    return _epsilon(*key)
+
+
+@functools.lru_cache(maxsize=256)
+def _epsilon(releases: tuple[Release, ...], delta: float, accountant: str, relation: Relation,
+             interval: float) -> float:
+    """``epsilon_of`` of checked arguments."""
     releases = [r for r in releases if r.steps > 0]
     events = [r.dp_event(accountant, relation) for r in releases]  # refuses what cannot be accounted
     if not releases:
