@@ -159,7 +159,6 @@ class Weighing:
         self._calls: list[torch.Tensor] = []
         self._width = 3 if real is None else 4
         self._losses = None if losses is None else loss_totals(losses, real)  # [sum, count], not read yet
-        self._row = 0  # the first row of the next call
         self._layout = (0, False)  # of the last ``status``: its calls, and whether it holds the losses
         self.lowest, self.finite, self.below, self.finite_rows, self.rows = 0.0, 0, 0, 0, 0
         self.losses: tuple[float, int] | None = None
@@ -169,11 +168,10 @@ class Weighing:
         w, finite = self.clipping._weights(sq_norms, self.groups)
         n = sq_norms.shape[0]
         if self.real is not None:
-            real = self.real[self._row:self._row + n]
+            real = self.real[self.rows:self.rows + n]  # this call's rows: those after the rows weighed so far
             w = w * real.unsqueeze(1)
             self._calls.append(finite.sum().reshape(1))  # every row's, padding included: whether to sanitize
             finite = finite * real
-        self._row += n
         self.rows += n
         smallest = w[:, 0] if w.stride(1) == 0 else w.amin(1)  # one weight per example (flat) or per part
         below = smallest < 1 if self.real is None else (smallest < 1) * real
@@ -189,8 +187,14 @@ class Weighing:
     def restart(self) -> None:
         """Forget the calls so far, read or not (their squared norms are being recomputed)."""
         self._calls = []
-        self._row = 0
         self.lowest, self.finite, self.below, self.finite_rows, self.rows = 0.0, 0, 0, 0, 0
+
+    def stats(self, examples: int) -> ClipStats:
+        """What the reads so far counted, for a batch of ``examples`` real examples; a negative squared norm is
+        refused here, before any sum formed with these weights is used."""
+        _refuse_negative(self.lowest)
+        nonfinite = examples - self.finite
+        return ClipStats(examples, nonfinite, self.below - nonfinite, self.losses)
 
     def read(self, flags: Sequence[torch.Tensor] = ()) -> list[float]:
         """What is not read yet and ``flags`` (1-d tensors, concatenated) in one host synchronisation (none if there
@@ -258,7 +262,5 @@ def clip_and_sum(grads: PerExampleStatistic, clipping: Clipping, release: bool =
     weigh = Weighing(clipping, grads.groups, getattr(grads, "losses", None), real)
     sums = grads.clipped_sum(weigh, release, into)
     weigh.read()  # a host synchronisation unless the statistic read everything already
-    _refuse_negative(weigh.lowest)
-    nonfinite = examples - weigh.finite
-    return sums, ClipStats(examples, nonfinite, weigh.below - nonfinite, weigh.losses)
+    return sums, weigh.stats(examples)
 

@@ -33,7 +33,7 @@ from dpopt.data.samplers import PoissonSampler, Sampler, distinct_examples, take
 from dpopt.device import to_device
 from dpopt.flat import flat_view, zeros
 from dpopt.grad.engine import PerExampleEngine
-from dpopt.grad.graphs import GRAPH_CHOICES, CapturedClip, why_not_captured
+from dpopt.grad.graphs import CapturedClip, check_choice, why_not_captured
 from dpopt.noise.correlated import CorrelatedNoise
 from dpopt.noise.gaussian import GaussianNoise
 from dpopt.privacy.ledger import PoissonSampling, PrivacyLedger
@@ -280,8 +280,7 @@ class PrivateStep:
 
         :raises ValueError: for an unknown choice, or ``on`` where capture cannot work (the reason named).
         """
-        if choice not in GRAPH_CHOICES:
-            raise ValueError(f"unknown graph choice {choice!r}; choose one of {', '.join(GRAPH_CHOICES)}")
+        check_choice(choice)
         self.captured, self.static_shapes = None, False
         if choice == "off":
             return

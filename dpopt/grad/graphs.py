@@ -32,7 +32,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from dpopt.clipping import Clipping, ClipStats, Weighing, _refuse_negative
+from dpopt.clipping import Clipping, ClipStats, Weighing
 from dpopt.data.buckets import Padding
 from dpopt.device import rng_state, set_rng_state
 from dpopt.flat import zeros
@@ -93,6 +93,12 @@ class CudaGraphs:
         self.graph.replay()
 
 
+def check_choice(choice: str) -> None:
+    """Refuse a graph choice other than ``GRAPH_CHOICES``."""
+    if choice not in GRAPH_CHOICES:
+        raise ValueError(f"unknown graph choice {choice!r}; choose one of {', '.join(GRAPH_CHOICES)}")
+
+
 def why_not_captured(engine: PerExampleEngine, recipe_statistic: bool, parallel: bool) -> str | None:
     """Why the clip stage of this step cannot be captured (None: it can): the reason, as a log line's end."""
     if recipe_statistic or engine.projection is not None:
@@ -125,7 +131,7 @@ class CapturedClip:
         self.engine, self.clipping, self.eager, self.strict, self.log = engine, clipping, eager, strict, log
         self.replayed = replayed or self._cuda
         self._pool: Any = None
-        self._graphs: dict[Any, tuple[list[torch.Tensor], torch.Tensor, Replayed]] = {}
+        self._graphs: dict[Any, tuple[list[torch.Tensor], Replayed]] = {}
         self._checked: dict[Any, int] = {}
         self.enabled = True
         self.replays = self.reruns = 0  # batches replayed, and those whose doubts sent them to the eager stage
@@ -149,7 +155,8 @@ class CapturedClip:
         status = weigh.status([] if grads.recheck is None else [grads.recheck])
         return sums, status, weigh
 
-    def _graph(self, batch: Any, padding: Padding) -> tuple[list[torch.Tensor], torch.Tensor, Replayed]:
+    def _graph(self, batch: Any, padding: Padding) -> tuple[Any, list[torch.Tensor], Replayed]:
+        """The graph of ``batch``'s shapes (captured on first sight of them): its key, static inputs and replay."""
         leaves, spec = tree_flatten(batch)
         key = (spec, tuple((t.shape, t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves))
         if key not in self._graphs:
@@ -160,9 +167,9 @@ class CapturedClip:
                 graph = self.replayed(lambda: self._static(static, mask))
             except Exception as error:  # a forward that cannot be captured: the step runs eager
                 raise CaptureError(f"the step could not be captured ({type(error).__name__}: {error})") from error
-            self._graphs[key] = ([t for t in inputs if isinstance(t, torch.Tensor)] + [mask], key, graph)
+            self._graphs[key] = ([t for t in inputs if isinstance(t, torch.Tensor)] + [mask], graph)
             self._checked[key] = 0
-        return self._graphs[key]
+        return (key, *self._graphs[key])
 
     def clip(self, batch: Any, padding: Padding,
              into: list[torch.Tensor] | None) -> tuple[list[torch.Tensor], ClipStats] | None:
@@ -171,7 +178,7 @@ class CapturedClip:
         if not self.enabled:
             return None
         try:
-            inputs, key, graph = self._graph(batch, padding)
+            key, inputs, graph = self._graph(batch, padding)
         except CaptureError as error:
             return self._give_up(str(error))
         leaves = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)] + [padding.mask]
@@ -183,12 +190,10 @@ class CapturedClip:
         weigh.restart()
         doubts = weigh.take(status.tolist())  # the one host synchronisation
         self.replays += 1
-        _refuse_negative(weigh.lowest)
+        stats = weigh.stats(padding.examples)  # refuses a negative squared norm
         if any(doubts):
             self.reruns += 1
             return None
-        nonfinite = padding.examples - weigh.finite
-        stats = ClipStats(padding.examples, nonfinite, weigh.below - nonfinite, weigh.losses)
         if before is not None:  # the eager step from the replay's random state (dropout), then the run's own again
             self._checked[key] += 1
             after = rng_state(device)

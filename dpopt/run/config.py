@@ -13,7 +13,7 @@ from dpopt import plan
 from dpopt.algorithms import (CONFIGS, DEFAULT_TREE_DECODER, NON_PRIVATE, Hyperparameters, StepRule, hyperparameters_for,
                               settings_of)
 from dpopt.algorithms.base import check_physical_batch_size
-from dpopt.grad.graphs import GRAPH_CHOICES
+from dpopt.grad.graphs import check_choice
 from dpopt.clipping import Clipping
 from dpopt.data.datasets import DATASETS, check_dataset, default_epochs, default_model
 from dpopt.data.samplers import SAMPLINGS
@@ -119,8 +119,7 @@ class TrainConfig:
             raise ValueError("--secure draws every secret number from OS entropy and takes no --secret-seed "
                              "(replayable noise); give one or the other")
         check_physical_batch_size(self.physical_batch_size)
-        if self.graph not in GRAPH_CHOICES:
-            raise ValueError(f"unknown graph choice {self.graph!r}; choose one of {', '.join(GRAPH_CHOICES)}")
+        check_choice(self.graph)
         if self.graph == "on" and self.device == "cpu":
             raise ValueError("--graph on captures the step as a CUDA graph: it needs --device cuda; use --graph auto "
                              "or off on a CPU")
