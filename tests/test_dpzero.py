@@ -131,6 +131,20 @@ def test_perturb_and_restore_returns_the_parameters(dtype):
         assert ((p - x).abs() <= 2 * tiny * (x.abs() + 1e-3 * v.abs())).all()
 
 
+def test_a_channels_last_parameter_moves_along_the_direction_of_its_row_major_copy():
+    """u_t's coordinates are in logical order: a channels-last convolution (models.cnn) takes the same step as its
+    row-major copy, and keeps its layout."""
+    last = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    first = nn.Conv2d(3, 4, 3)
+    first.load_state_dict(last.state_dict())
+    before = first.weight.detach().clone()
+    for m in (last, first):
+        Direction(list(m.parameters()), seed=3, chunk=25).add_to_params(0.5, step=2)
+    assert last.weight.is_contiguous(memory_format=torch.channels_last) and not last.weight.is_contiguous()
+    assert torch.equal(last.weight, first.weight) and torch.equal(last.bias, first.bias)
+    assert not torch.equal(first.weight, before)
+
+
 # --- the DPZero step -------------------------------------------------------------------------------
 def test_dpzero_step_is_the_finite_difference_step_computed_by_hand():
     """No clipping at work and no noise: x1 = x0 - lr * mean_i s_i * u, with s_i from two explicit evaluations."""

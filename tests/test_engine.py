@@ -1,5 +1,7 @@
 """The per-example engine: the hook path agrees with torch.func, combinations are exact, misuse is refused."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,7 +10,8 @@ from torch import nn
 from dpopt.clipping import Clipping
 from dpopt.grad import ExampleMixingError, PerExampleEngine, captures, check_per_example
 from dpopt.grad import gradients as gradients_module
-from dpopt.models import freeze_batchnorm, replace_batchnorm
+from dpopt.data.datasets import Dataset
+from dpopt.models import build_model, freeze_batchnorm, replace_batchnorm
 from helpers import Zoo, mlp_loss, zoo_batch, zoo_loss
 
 
@@ -302,3 +305,23 @@ def test_unknown_mode_and_strategy():
         PerExampleEngine(nn.Linear(2, 2), mlp_loss, mode="magic")
     with pytest.raises(ValueError, match="auto, materialize, ghost"):
         PerExampleEngine(nn.Linear(2, 2), mlp_loss, strategy="magic")
+
+
+@pytest.mark.parametrize("strategy", ["materialize", "ghost"])
+def test_the_channels_last_cnn_has_the_per_example_gradients_of_its_channels_first_copy(strategy):
+    """models.cnn runs channels-last (PyTorch's faster CPU max-pool): its activations stay channels-last, and its
+    per-example norms and clipped sums are those of the same weights laid out channels-first."""
+    torch.manual_seed(0)
+    data = Dataset("fake", (torch.zeros(2, 1, 28, 28), torch.zeros(2, dtype=torch.long)), None, 10)
+    last = build_model("cnn", data)
+    first = copy.deepcopy(last).to(memory_format=torch.contiguous_format)
+    batch = (torch.randn(6, 1, 28, 28), torch.randint(0, 10, (6,)))
+    assert last[:3](batch[0]).is_contiguous(memory_format=torch.channels_last)
+    assert not first[:3](batch[0]).is_contiguous(memory_format=torch.channels_last)
+    loss = lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none")  # noqa: E731
+    a = PerExampleEngine(last, loss, "hooks", strategy).gradients(batch)
+    b = PerExampleEngine(first, loss, "hooks", strategy).gradients(batch)
+    assert rel(a.sq_norms(), b.sq_norms()) <= 1e-5
+    w = torch.rand(6)
+    for x, y in zip(a.weighted_sum(w), b.weighted_sum(w)):
+        assert rel(x, y) <= 1e-5

@@ -94,14 +94,19 @@ class Direction(Transform):
     # --- what the algorithms do with it ------------------------------------------------------------
     @torch.no_grad()
     def add_to_params(self, alpha: float, step: int) -> None:
-        """x ← x + alpha·u_t, in place, one chunk at a time."""
-        flats = [p.detach().view(-1) for p in self.params]
+        """x ← x + alpha·u_t, in place, one chunk at a time. u_t's coordinates are in the parameters' logical
+        (row-major) order, whatever their memory layout: a channels-last parameter is updated through a
+        row-major copy."""
+        flats = [p.detach().contiguous().view(-1) for p in self.params]  # the parameter itself when row-major
         for i, start, u in self.pieces(step):
             x = flats[i][start:start + u.numel()]
             if x.dtype == u.dtype:
                 x.add_(u, alpha=alpha)
             else:  # half precision: add in float32, round once
                 x.copy_(x.to(u.dtype).add_(u, alpha=alpha))
+        for p, flat in zip(self.params, flats):
+            if not p.is_contiguous():
+                p.copy_(flat.view(p.shape))
 
     def combine(self, coefficients: Sequence[float], step: int) -> list[torch.Tensor]:
         """[c_p·u_{t,p}] per parameter p, as new tensors (DPGD-0th's clipped sum)."""
