@@ -37,8 +37,8 @@ def mlp(input_shape: tuple[int, ...], num_classes: int, hidden: int = 128) -> nn
 
 def cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """The Tanh CNN in channels-last memory format: the same values, and on the CPU a step in about half the
-    time (PyTorch's channels-first CPU max-pool is about 6x slower than its channels-last one; docs/performance.md,
-    "The CNN in channels-last layout")."""
+    time (PyTorch's channels-first CPU max-pool is the slow part; docs/performance.md, "The CNN in channels-last
+    layout")."""
     if tuple(input_shape) != (1, 28, 28):
         raise ValueError(f"the cnn model is built for 1x28x28 images (MNIST, Fashion-MNIST), got {input_shape}; "
                          "use --model mlp or logreg for other inputs")
